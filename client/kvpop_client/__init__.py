@@ -1,0 +1,14 @@
+"""Python client for the KVpop Triton text-generation service."""
+
+from kvpop_client.client import KVpopClient
+from kvpop_client.errors import KVpopClientError, KVpopServerError, ResponseValidationError
+from kvpop_client.types import FINISH_REASONS, Generation
+
+__all__ = [
+    "FINISH_REASONS",
+    "Generation",
+    "KVpopClient",
+    "KVpopClientError",
+    "KVpopServerError",
+    "ResponseValidationError",
+]

@@ -1,0 +1,53 @@
+"""`kvpop-client`: talk to a KVpop service from the shell."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+
+from kvpop_client.client import KVpopClient
+from kvpop_client.errors import KVpopClientError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvpop-client", description=__doc__)
+    parser.add_argument("--url", help="server address (default localhost:8000 for http, :8001 for grpc)")
+    parser.add_argument("--protocol", choices=("http", "grpc"), default="http")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("health", help="exit 0 when the server and model are ready")
+    generate = commands.add_parser("generate", help="generate a completion")
+    generate.add_argument("prompt")
+    generate.add_argument("--max-tokens", type=int)
+    generate.add_argument("--temperature", type=float)
+    generate.add_argument("--top-p", type=float)
+    generate.add_argument("--top-k", type=int)
+    generate.add_argument("--seed", type=int)
+    generate.add_argument("--stop", action="append", default=[])
+    generate.add_argument("--policy", dest="eviction_policy")
+    generate.add_argument("--kv-budget", type=int)
+    generate.add_argument("--compression-ratio", type=float)
+    generate.add_argument("--json", action="store_true", help="print the whole validated result as JSON")
+    args = parser.parse_args(argv)
+
+    try:
+        with KVpopClient(args.url, args.protocol) as client:
+            if args.command == "health":
+                ready = client.is_ready()
+                print("ready" if ready else "not ready")
+                return 0 if ready else 1
+            options = {
+                name: getattr(args, name)
+                for name in ("temperature", "top_p", "top_k", "seed", "eviction_policy", "kv_budget", "compression_ratio")
+            }
+            result = client.generate(args.prompt, max_tokens=args.max_tokens, stop=args.stop, **options)
+            print(json.dumps(asdict(result), indent=2) if args.json else result.text)
+            return 0
+    except KVpopClientError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

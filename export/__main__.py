@@ -1,0 +1,51 @@
+"""`python -m export --model DIR`: write the ONNX decoder step, tokenizer and model spec into the
+model repository, and fail unless the ONNX step matches the Hugging Face model.
+
+Without --model, the shipped reference model (models/reference) is exported when present, otherwise
+a tiny random Llama is built (for plumbing only: its text is meaningless).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUTPUT = REPO_ROOT / "model_repository" / "kvpop_service" / "1"
+REFERENCE_MODEL = REPO_ROOT / "models" / "reference"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m export", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, help="local Hugging Face model directory (Llama, Qwen2, Mistral)")
+    parser.add_argument("--tiny", action="store_true", help="export a tiny random Llama (tests, plumbing)")
+    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="model version directory to write")
+    args = parser.parse_args(argv)
+
+    from export.pipeline import ExportError, export_model
+
+    with tempfile.TemporaryDirectory() as scratch:
+        model_dir = args.model
+        if model_dir is None:
+            if not args.tiny and (REFERENCE_MODEL / "config.json").exists():
+                model_dir = REFERENCE_MODEL
+            else:
+                from export.tiny_model import build_tiny_llama
+
+                print("[export] no --model given and no reference model: building a tiny random Llama", flush=True)
+                model_dir = build_tiny_llama(Path(scratch) / "tiny-llama")
+        try:
+            report = export_model(model_dir, args.output)
+        except ExportError as error:
+            print(f"[export] FAILED: {error}", file=sys.stderr)
+            return 1
+    print(json.dumps(report["parity"], indent=2))
+    print(f"[export] wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

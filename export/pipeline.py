@@ -1,0 +1,101 @@
+"""The export pipeline: load, check architecture, export ONNX, write tokenizer + spec, check parity."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+from kvpop.model_spec import ModelSpec
+
+TOKENIZER_DIRNAME = "tokenizer"
+REPORT_FILENAME = "export_report.json"
+
+
+class ExportError(RuntimeError):
+    pass
+
+
+class _Stages:
+    """Numbered progress lines with elapsed time, so a long export shows where it is."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.index, self.start = total, 0, time.time()
+
+    def __call__(self, message: str) -> None:
+        self.index += 1
+        print(f"[export {self.index}/{self.total} +{time.time() - self.start:5.1f}s] {message}", flush=True)
+
+
+def model_spec_from_config(config, architecture: str, tokenizer) -> ModelSpec:
+    eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+    return ModelSpec(
+        architecture=architecture,
+        num_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        vocab_size=config.vocab_size,
+        dtype="float32",
+        max_position_embeddings=config.max_position_embeddings,
+        bos_token_id=config.bos_token_id if config.bos_token_id is not None else tokenizer.bos_token_id,
+        eos_token_ids=eos_ids,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def export_model(model_dir: Path, output_dir: Path) -> dict:
+    """Export `model_dir` into `output_dir` (a Triton model version directory) and return the report."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from export.decoder_step import UnsupportedModelError, check_supported
+    from export.onnx_export import export_decoder_step
+    from export.parity import check_parity
+    from kvpop.decoder import DecoderStep
+
+    model_dir, output_dir = Path(model_dir), Path(output_dir)
+    stage = _Stages(total=5)
+    stage(f"reading {model_dir}")
+    if not (model_dir / "config.json").exists():
+        raise ExportError(f"{model_dir} is not a Hugging Face model directory (no config.json)")
+    config = AutoConfig.from_pretrained(model_dir)
+    try:
+        architecture = check_supported(config)
+    except UnsupportedModelError as error:
+        raise ExportError(str(error)) from error
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    causal_lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    spec = model_spec_from_config(config, architecture, tokenizer)
+
+    stage(f"exporting {architecture} ({spec.num_layers} layers, {spec.num_kv_heads} KV heads) to ONNX")
+    output_dir.mkdir(parents=True, exist_ok=True)
+    for stale in (output_dir / spec.decoder_file, output_dir / (spec.decoder_file + ".data")):
+        stale.unlink(missing_ok=True)
+    export_decoder_step(causal_lm, output_dir / spec.decoder_file)
+
+    stage("writing tokenizer and model spec")
+    tokenizer_dir = output_dir / TOKENIZER_DIRNAME
+    shutil.rmtree(tokenizer_dir, ignore_errors=True)
+    tokenizer.save_pretrained(tokenizer_dir)
+    spec.save(output_dir)
+
+    stage("checking parity: ONNX vs Hugging Face (prefill, and decode through a shuffled slot cache)")
+    parity = check_parity(causal_lm, DecoderStep(output_dir))
+    report = {
+        "source_model": str(model_dir.resolve()),
+        "architecture": architecture,
+        "model_spec": json.loads((output_dir / "model_spec.json").read_text()),
+        "parity": parity.as_dict(),
+        "torch": torch.__version__,
+    }
+    (output_dir / REPORT_FILENAME).write_text(json.dumps(report, indent=2) + "\n")
+    stage(
+        f"parity prefill {parity.prefill_max_abs_diff:.2e}, decode {parity.decode_max_abs_diff:.2e} "
+        f"(tolerance {parity.tolerance:.0e})"
+    )
+    if not parity.passed:
+        raise ExportError(f"parity check failed: {parity.as_dict()} (report in {output_dir / REPORT_FILENAME})")
+    return report

@@ -1,0 +1,59 @@
+"""Service tunables, read from `parameters` in config.pbtxt and validated when the model loads.
+
+A misconfigured model must fail at load time with a message naming the parameter, not at the first
+request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    default_policy: str = "full"  # eviction policy when a request names none
+    default_kv_budget: int = 0  # slots per head when a request names none; 0 = policy default
+    max_prompt_tokens: int = 4096  # longer prompts are rejected with an invalid-argument error
+    max_output_tokens: int = 1024  # upper bound for a request's max_tokens
+    default_max_tokens: int = 64
+    max_batch_size: int = 8  # sequences decoded together in one step
+    prefill_chunk_tokens: int = 256  # prompt tokens fed per prefill step
+    ort_threads: int = 0  # onnxruntime intra-op threads (0: onnxruntime's default)
+
+    def __post_init__(self) -> None:
+        for name in ("max_prompt_tokens", "max_output_tokens", "default_max_tokens", "max_batch_size",
+                     "prefill_chunk_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"parameter {name} must be > 0, got {getattr(self, name)}")
+        for name in ("default_kv_budget", "ort_threads"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"parameter {name} must be >= 0, got {getattr(self, name)}")
+        if self.default_max_tokens > self.max_output_tokens:
+            raise ValueError(
+                f"parameter default_max_tokens ({self.default_max_tokens}) exceeds max_output_tokens "
+                f"({self.max_output_tokens})"
+            )
+        from kvpop.policies import POLICIES
+
+        if self.default_policy not in POLICIES:
+            raise ValueError(f"parameter default_policy {self.default_policy!r} is not one of {sorted(POLICIES)}")
+
+    @classmethod
+    def from_model_config(cls, model_config: dict[str, Any]) -> "ServiceConfig":
+        """Build from Triton's model config dict; unknown parameter names are an error (typos)."""
+        raw = {key: value.get("string_value", "") for key, value in (model_config.get("parameters") or {}).items()}
+        known = {field.name: field for field in fields(cls)}
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            raise ValueError(f"unknown parameters {unknown}; known: {sorted(known)}")
+        values: dict[str, Any] = {}
+        for name, text in raw.items():
+            kind = type(getattr(cls, name))
+            try:
+                values[name] = kind(text) if kind is not str else text
+            except ValueError:
+                raise ValueError(f"parameter {name} must be {kind.__name__}, got {text!r}") from None
+        if "max_batch_size" not in values and model_config.get("max_batch_size"):
+            values["max_batch_size"] = int(model_config["max_batch_size"])
+        return cls(**values)

@@ -1,0 +1,260 @@
+"""Start, wait for and stop a real `tritonserver` on this repository's model repository.
+
+Used by `make serve` and by the end-to-end tests. On a development machine the server binary and
+the Python backend come from the `nvidia-pytriton` wheel installed in the virtualenv; in the NGC
+image (`nvcr.io/nvidia/tritonserver:<yy.mm>-py3`) they are under /opt/tritonserver.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+NGC_TRITON_HOME = Path("/opt/tritonserver")
+
+
+class LauncherError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class TritonInstallation:
+    binary: Path
+    backend_dir: Path
+    library_dirs: tuple[Path, ...] = ()
+
+
+def _site_packages() -> Path:
+    return Path(sysconfig.get_paths()["purelib"])
+
+
+def find_tritonserver() -> TritonInstallation:
+    """The pip-bundled server of this virtualenv, else the NGC image's, else one on PATH."""
+    bundle = _site_packages() / "pytriton" / "tritonserver"
+    if (bundle / "bin" / "tritonserver").exists():
+        libs = [Path(sysconfig.get_config_var("LIBDIR")), _site_packages() / "nvidia_pytriton.libs"]
+        return TritonInstallation(bundle / "bin" / "tritonserver", bundle / "backends", tuple(libs))
+    if (NGC_TRITON_HOME / "bin" / "tritonserver").exists():
+        return TritonInstallation(NGC_TRITON_HOME / "bin" / "tritonserver", NGC_TRITON_HOME / "backends")
+    on_path = shutil.which("tritonserver")
+    if on_path:
+        return TritonInstallation(Path(on_path), Path(on_path).resolve().parents[1] / "backends")
+    raise LauncherError("tritonserver not found: run `make setup` (installs nvidia-pytriton into .venv)")
+
+
+def prepare_python_backend_stub() -> None:
+    """The bundled server only looks for the Python backend stub next to libtriton_python.so."""
+    bundle = _site_packages() / "pytriton" / "tritonserver"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = bundle / "python_backend_stubs" / version / "triton_python_backend_stub"
+    target = bundle / "backends" / "python" / "triton_python_backend_stub"
+    if not bundle.exists():
+        return  # NGC image: the stub is already in place
+    if not stub.exists():
+        raise LauncherError(f"no Python backend stub for Python {version} in {stub.parent.parent}")
+    if not target.exists() or target.stat().st_size != stub.stat().st_size:
+        shutil.copy2(stub, target)
+
+
+def count_gpus() -> int:
+    """Number of NVIDIA GPUs visible (0 when nvidia-smi is missing or fails)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        return 0
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in listing.stdout.splitlines() if line.startswith("GPU "))
+
+
+def choose_model_config(gpus: int) -> str | None:
+    """config.pbtxt is the two-GPU production config; configs/<name>.pbtxt are the variants."""
+    if gpus >= 2:
+        return None
+    return "single_gpu" if gpus == 1 else "cpu"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class TritonServer:
+    """A tritonserver child process. Use as a context manager, or start()/stop()."""
+
+    model_repository: Path = DEFAULT_MODEL_REPOSITORY
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    address: str = "0.0.0.0"
+    model_config_name: str | None = "auto"
+    log_file: Path | None = None
+    extra_args: list[str] = field(default_factory=list)
+    process: subprocess.Popen | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"{self._host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self._host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self._host}:{self.metrics_port}/metrics"
+
+    @property
+    def _host(self) -> str:
+        return "127.0.0.1" if self.address in ("0.0.0.0", "127.0.0.1") else self.address
+
+    def command(self, installation: TritonInstallation) -> list[str]:
+        config_name = choose_model_config(count_gpus()) if self.model_config_name == "auto" else self.model_config_name
+        command = [
+            str(installation.binary),
+            f"--model-repository={Path(self.model_repository).resolve()}",
+            f"--backend-directory={installation.backend_dir}",
+            f"--http-address={self.address}",
+            f"--http-port={self.http_port}",
+            f"--grpc-address={self.address}",
+            f"--grpc-port={self.grpc_port}",
+            f"--metrics-address={self.address}",
+            f"--metrics-port={self.metrics_port}",
+            "--exit-timeout-secs=10",
+            "--log-verbose=0",
+        ]
+        if config_name:
+            command.append(f"--model-config-name={config_name}")
+        return command + list(self.extra_args)
+
+    def environment(self, installation: TritonInstallation) -> dict[str, str]:
+        env = dict(os.environ)
+        # The stub's embedded interpreter finds `python3` on PATH and uses that venv's site-packages.
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        library_path = [str(path) for path in installation.library_dirs] + [env.get("LD_LIBRARY_PATH", "")]
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, library_path))
+        return env
+
+    def start(self) -> "TritonServer":
+        installation = find_tritonserver()
+        prepare_python_backend_stub()
+        output = open(self.log_file, "ab") if self.log_file else None
+        self.process = subprocess.Popen(
+            self.command(installation),
+            env=self.environment(installation),
+            stdout=output,
+            stderr=subprocess.STDOUT if output else None,
+            start_new_session=True,
+        )
+        return self
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise LauncherError(f"tritonserver exited with code {self.process.returncode} before it was ready")
+            if self.is_ready():
+                return
+            time.sleep(0.5)
+        raise LauncherError(f"tritonserver not ready after {timeout:.0f} s")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGINT)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def __enter__(self) -> "TritonServer":
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvpop.serving.launcher", description="Run tritonserver.")
+    parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--grpc-port", type=int, default=8001)
+    parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--address", default="0.0.0.0")
+    parser.add_argument("--model-config-name", default="auto", help="auto: two-GPU config.pbtxt, single_gpu or cpu")
+    parser.add_argument("--pid-file", type=Path, help="run in the background and write the server's pid here")
+    parser.add_argument("--log-file", type=Path)
+    parser.add_argument("--prepare-only", action="store_true", help="only install the Python backend stub")
+    args = parser.parse_args(argv)
+
+    prepare_python_backend_stub()
+    if args.prepare_only:
+        return 0
+    if not any(Path(args.model_repository).glob("*/1/model_spec.json")):
+        print("no exported model in the model repository: run `make export` first", file=sys.stderr)
+        return 1
+    server = TritonServer(
+        args.model_repository, args.http_port, args.grpc_port, args.metrics_port, args.address,
+        None if args.model_config_name in ("", "default") else args.model_config_name, args.log_file,
+    )
+    gpus = count_gpus()
+    config = choose_model_config(gpus) if server.model_config_name == "auto" else server.model_config_name
+    print(f"[serve] {gpus} GPU(s) visible: model config {config or 'config.pbtxt'}", flush=True)
+    server.start()
+    try:
+        server.wait_ready()
+    except (LauncherError, KeyboardInterrupt) as error:
+        server.stop()
+        print(f"[serve] {error}", file=sys.stderr)
+        return 1
+    print(
+        f"[serve] READY  HTTP http://{server.http_url}/v2/models/kvpop_service/infer  "
+        f"gRPC {server.grpc_url}  metrics {server.metrics_url}",
+        flush=True,
+    )
+    if args.pid_file:
+        args.pid_file.parent.mkdir(parents=True, exist_ok=True)
+        args.pid_file.write_text(f"{server.process.pid}\n")
+        print(f"[serve] running in the background (pid {server.process.pid}); stop it with `make stop`")
+        return 0
+    print("[serve] Ctrl-C to stop", flush=True)
+    try:
+        while server.process.poll() is None:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("\n[serve] stopping", flush=True)
+    finally:
+        server.stop()
+    return server.process.returncode or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -13,7 +13,7 @@ from typing import Any
 @dataclass(frozen=True)
 class ServiceConfig:
     default_policy: str = "full"  # eviction policy when a request names none
-    default_kv_budget: int = 0  # slots per head when a request names none; 0 = policy default
+    default_kv_budget: int = 512  # slots per head for a bounded policy when a request names no budget
     max_prompt_tokens: int = 4096  # longer prompts are rejected with an invalid-argument error
     max_output_tokens: int = 1024  # upper bound for a request's max_tokens
     default_max_tokens: int = 64
@@ -22,13 +22,12 @@ class ServiceConfig:
     ort_threads: int = 0  # onnxruntime intra-op threads (0: onnxruntime's default)
 
     def __post_init__(self) -> None:
-        for name in ("max_prompt_tokens", "max_output_tokens", "default_max_tokens", "max_batch_size",
-                     "prefill_chunk_tokens"):
+        for name in ("default_kv_budget", "max_prompt_tokens", "max_output_tokens", "default_max_tokens",
+                     "max_batch_size", "prefill_chunk_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"parameter {name} must be > 0, got {getattr(self, name)}")
-        for name in ("default_kv_budget", "ort_threads"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"parameter {name} must be >= 0, got {getattr(self, name)}")
+        if self.ort_threads < 0:
+            raise ValueError(f"parameter ort_threads must be >= 0, got {self.ort_threads}")
         if self.default_max_tokens > self.max_output_tokens:
             raise ValueError(
                 f"parameter default_max_tokens ({self.default_max_tokens}) exceeds max_output_tokens "

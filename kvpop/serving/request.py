@@ -152,14 +152,14 @@ def parse_request(
             max_tokens=max_tokens,
             stop=stop,
         )
-        budget = values["kv_budget"]
-        if budget is None and values["compression_ratio"] is None and config.default_kv_budget:
+        policy = values["eviction_policy"] or config.default_policy
+        budget, compression = values["kv_budget"], values["compression_ratio"]
+        if policy == "full":
+            if budget is not None or compression is not None:
+                raise InvalidRequestError("eviction_policy 'full' keeps every token: omit kv_budget and compression_ratio")
+        elif budget is None and compression is None:
             budget = config.default_kv_budget
-        cache = CacheConfig(
-            policy=values["eviction_policy"] or config.default_policy,
-            budget=budget,
-            compression=values["compression_ratio"],
-        )
+        cache = CacheConfig(policy=policy, budget=budget, compression=compression)
     except ValueError as error:
         raise InvalidRequestError(str(error)) from None
     generation = GenerationRequest(request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, cache=cache)

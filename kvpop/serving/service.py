@@ -55,18 +55,18 @@ class KVpopService:
         return self.engine.generate([request.generation for request in requests])
 
     def response_tensors(self, result: GenerationResult) -> dict[str, np.ndarray]:
-        """Output tensors of one finished request, each with the leading batch dimension of 1."""
+        """Output tensors of one finished request, each with Triton's leading batch dimension of 1."""
         text = self.tokenizer.decode(result.output_ids, skip_special_tokens=True)
         return {
-            "text_output": np.array([text.encode("utf-8")], dtype=np.object_),
+            "text_output": np.array([[text.encode("utf-8")]], dtype=np.object_),
             "output_ids": np.array([result.output_ids], dtype=np.int64),
-            "finish_reason": np.array([result.finish_reason.encode()], dtype=np.object_),
-            "num_input_tokens": np.array([len(result.prompt_ids)], dtype=np.int32),
-            "num_output_tokens": np.array([len(result.output_ids)], dtype=np.int32),
-            "kv_budget": np.array([result.budget], dtype=np.int32),
-            "peak_kv_bytes": np.array([result.peak_kv_bytes], dtype=np.int64),
-            "tokens_evicted": np.array([result.tokens_evicted], dtype=np.int64),
-            "compression": np.array([result.compression], dtype=np.float32),
+            "finish_reason": np.array([[result.finish_reason.encode()]], dtype=np.object_),
+            "num_input_tokens": np.array([[len(result.prompt_ids)]], dtype=np.int32),
+            "num_output_tokens": np.array([[len(result.output_ids)]], dtype=np.int32),
+            "kv_budget": np.array([[result.budget]], dtype=np.int32),
+            "peak_kv_bytes": np.array([[result.peak_kv_bytes]], dtype=np.int64),
+            "tokens_evicted": np.array([[result.tokens_evicted]], dtype=np.int64),
+            "compression": np.array([[result.compression]], dtype=np.float32),
         }
 
 

@@ -32,6 +32,18 @@ def hf_greedy(hf_model, prompt_ids: list[int], max_tokens: int) -> list[int]:
     return output[0, len(prompt_ids):].tolist()
 
 
+@pytest.fixture
+def client(triton_server, request):
+    """A tritonclient for the protocol the test is parametrized with; closed afterwards."""
+    protocol = request.node.callspec.params["protocol"]
+    module = httpclient if protocol == "http" else grpcclient
+    url = triton_server.http_url if protocol == "http" else triton_server.grpc_url
+    client = module.InferenceServerClient(url)
+    client.module = module
+    yield client
+    client.close()
+
+
 def ids_inputs(module, prompt_ids, max_tokens):
     ids = module.InferInput("input_ids", [1, len(prompt_ids)], "INT64")
     ids.set_data_from_numpy(np.array([prompt_ids], dtype=np.int64))
@@ -41,10 +53,8 @@ def ids_inputs(module, prompt_ids, max_tokens):
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
-def test_input_ids_match_hf_greedy(triton_server, hf_model, protocol):
-    module = httpclient if protocol == "http" else grpcclient
-    url = triton_server.http_url if protocol == "http" else triton_server.grpc_url
-    client = module.InferenceServerClient(url)
+def test_input_ids_match_hf_greedy(client, hf_model, protocol):
+    module = client.module
     prompt_ids = [1, 17, 45, 99, 120, 7, 33]
     result = client.infer(MODEL, ids_inputs(module, prompt_ids, 12))
     output_ids = result.as_numpy("output_ids")[0].tolist()
@@ -54,10 +64,8 @@ def test_input_ids_match_hf_greedy(triton_server, hf_model, protocol):
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
-def test_text_input_returns_generated_text(triton_server, hf_model, tokenizer, protocol):
-    module = httpclient if protocol == "http" else grpcclient
-    url = triton_server.http_url if protocol == "http" else triton_server.grpc_url
-    client = module.InferenceServerClient(url)
+def test_text_input_returns_generated_text(client, hf_model, tokenizer, protocol):
+    module = client.module
     prompt = "Let a = 7. Let b = a + 5. What is b?"
     text = module.InferInput("text_input", [1, 1], "BYTES")
     text.set_data_from_numpy(np.array([[prompt.encode()]], dtype=np.object_))
@@ -70,8 +78,8 @@ def test_text_input_returns_generated_text(triton_server, hf_model, tokenizer, p
 
 
 def test_server_metadata_lists_kvpop_service(triton_server):
-    client = httpclient.InferenceServerClient(triton_server.http_url)
-    assert client.is_model_ready(MODEL)
-    metadata = client.get_model_metadata(MODEL)
+    with httpclient.InferenceServerClient(triton_server.http_url) as client:
+        assert client.is_model_ready(MODEL)
+        metadata = client.get_model_metadata(MODEL)
     assert {tensor["name"] for tensor in metadata["inputs"]} >= {"text_input", "input_ids", "max_tokens"}
     assert {tensor["name"] for tensor in metadata["outputs"]} >= {"text_output", "output_ids"}

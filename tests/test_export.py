@@ -1,0 +1,72 @@
+"""Export of the decoder step: parity with Hugging Face, dynamic shapes, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from transformers import GPT2Config
+
+from export.pipeline import ExportError, export_model
+from kvpop.decoder import DecoderStep
+from kvpop.model_spec import ModelSpec
+
+
+def test_export_report_shows_parity(tiny_onnx_model_dir):
+    report = json.loads((tiny_onnx_model_dir / "export_report.json").read_text())
+    assert report["parity"]["passed"]
+    assert report["parity"]["prefill_max_abs_diff"] <= 1e-4
+    assert report["parity"]["decode_max_abs_diff"] <= 1e-4
+
+
+def test_model_spec_describes_the_model(tiny_onnx_model_dir, tiny_hf_model_dir):
+    spec = ModelSpec.load(tiny_onnx_model_dir)
+    config = json.loads((tiny_hf_model_dir / "config.json").read_text())
+    assert spec.num_layers == config["num_hidden_layers"]
+    assert spec.num_kv_heads == config["num_key_value_heads"] < spec.num_attention_heads
+    assert spec.vocab_size == config["vocab_size"]
+    assert spec.kv_bytes_per_token == 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4
+
+
+def test_step_shapes_are_dynamic_and_empty_cache_works(tiny_onnx_model_dir):
+    step = DecoderStep(tiny_onnx_model_dir)
+    spec = step.spec
+    for batch, tokens, slots in [(1, 5, 0), (3, 1, 7), (2, 4, 2)]:
+        key, value, mask = step.empty_cache(batch, slots)
+        mask[:] = True
+        ids = np.ones((batch, tokens), np.int64)
+        positions = np.arange(slots, slots + tokens)[None].repeat(batch, 0)
+        out = step.run(ids, positions, key, value, mask)
+        assert out.logits.shape == (batch, tokens, spec.vocab_size)
+        assert out.new_key.shape == (spec.num_layers, batch, spec.num_kv_heads, tokens, spec.head_dim)
+        assert out.attention.shape == (spec.num_layers, batch, spec.num_attention_heads, tokens, slots)
+        # Attention rows over cached slots plus the causal new tokens sum to one.
+        total = out.attention.sum(-1) + out.chunk_attention.sum(-1)
+        np.testing.assert_allclose(total, 1.0, atol=1e-5)
+
+
+def test_masked_slots_are_ignored(tiny_onnx_model_dir):
+    """Garbage in a slot marked empty must not change the result."""
+    step = DecoderStep(tiny_onnx_model_dir)
+    key, value, mask = step.empty_cache(1, 4)
+    ids, positions = np.array([[5, 6]]), np.array([[0, 1]])
+    clean = step.run(ids, positions, key, value, mask)
+    key[:] = 100.0
+    value[:] = -50.0
+    noisy = step.run(ids, positions, key, value, mask)
+    np.testing.assert_allclose(clean.logits, noisy.logits, atol=1e-5)
+    assert np.all(noisy.attention == 0)
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)
+    config.architectures = ["GPT2LMHeadModel"]
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ExportError, match="LlamaForCausalLM.*Qwen2ForCausalLM"):
+        export_model(tmp_path, tmp_path / "out")
+
+
+def test_not_a_model_directory(tmp_path):
+    with pytest.raises(ExportError, match="config.json"):
+        export_model(tmp_path, tmp_path / "out")

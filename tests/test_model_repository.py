@@ -1,0 +1,63 @@
+"""The committed Triton model repository: configs in sync, parameters validated at load time."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from kvpop.serving.config import ServiceConfig
+from kvpop.serving.launcher import choose_model_config
+
+SERVICE = Path(__file__).resolve().parents[1] / "model_repository" / "kvpop_service"
+INSTANCE_GROUP = re.compile(r"instance_group \[.*?\n\]", re.S)
+
+
+def body(path: Path) -> str:
+    lines = [line for line in path.read_text().splitlines() if not line.startswith("#")]
+    return "\n".join(lines)
+
+
+def test_production_config_runs_one_instance_per_gpu_on_two_gpus():
+    text = (SERVICE / "config.pbtxt").read_text()
+    assert 'name: "kvpop_service"' in text and 'backend: "python"' in text
+    assert re.search(r"count: 1 kind: KIND_GPU gpus: \[ 0, 1 \]", text)
+    assert "dynamic_batching" in text and "preferred_batch_size" in text and "max_queue_delay_microseconds" in text
+
+
+@pytest.mark.parametrize("variant, group", [("cpu", "kind: KIND_CPU"), ("single_gpu", "gpus: [ 0 ]")])
+def test_variants_differ_only_in_instance_group(variant, group):
+    production = body(SERVICE / "config.pbtxt")
+    other = body(SERVICE / "configs" / f"{variant}.pbtxt")
+    assert group in INSTANCE_GROUP.search(other).group(0)
+    assert INSTANCE_GROUP.sub("", production) == INSTANCE_GROUP.sub("", other)
+
+
+def test_config_choice_by_gpu_count():
+    assert choose_model_config(0) == "cpu"
+    assert choose_model_config(1) == "single_gpu"
+    assert choose_model_config(2) is None  # config.pbtxt
+
+
+def parameters(**values):
+    return {"parameters": {key: {"string_value": str(value)} for key, value in values.items()}}
+
+
+def test_service_config_reads_parameters():
+    config = ServiceConfig.from_model_config(parameters(default_policy="streaming", max_prompt_tokens=100))
+    assert config.default_policy == "streaming" and config.max_prompt_tokens == 100
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"default_policy": "lru"}, "default_policy"),
+        ({"max_prompt_tokens": "lots"}, "max_prompt_tokens must be int"),
+        ({"max_output_tokens": 0}, "max_output_tokens must be > 0"),
+        ({"max_promt_tokens": 5}, "unknown parameters"),
+    ],
+)
+def test_service_config_rejects_bad_parameters(values, message):
+    with pytest.raises(ValueError, match=message):
+        ServiceConfig.from_model_config(parameters(**values))

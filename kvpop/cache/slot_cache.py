@@ -1,0 +1,218 @@
+"""The per-sequence KV slot cache: a dense [L, Hkv, C, D] store whose slots are overwritten in place.
+
+Why dense slots and not a growing list: every head of a bounded sequence has the same budget B, so
+the cache of one sequence is one fixed-size tensor and memory never grows with the tokens seen. Keys
+are stored after RoPE, so a slot's index carries no meaning; `position` records where each slot's
+token came from. Heads evict independently (different heads may keep different tokens), but every
+head receives every new token, so the number of valid slots is the same for all heads and the valid
+slots are always the prefix [0, length) -- a per-sequence mask is enough for attention.
+
+Order of events when T new tokens arrive (`append`):
+  1. the policy `observe`s the step (updates its per-slot statistics, gives the new tokens theirs);
+  2. if the tokens fit (length + T <= limit), they are written after the valid prefix, growing the
+     storage in blocks when needed (capacity grows lazily up to the budget);
+  3. otherwise every head keeps the `limit` highest-priority of its C old + T new candidates, and the
+     kept new tokens overwrite the slots of the dropped old ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvpop.model_spec import ModelSpec
+
+if TYPE_CHECKING:
+    from kvpop.policies.base import EvictionPolicy
+
+GROWTH_BLOCK = 64  # slots added at a time while a cache fills up to its budget (or grows, unbounded)
+
+
+def _round_up(value: int, block: int) -> int:
+    return -(-value // block) * block
+
+
+@dataclass
+class CacheUpdate:
+    """T new tokens arriving in one sequence's cache, as the decoder step produced them."""
+
+    positions: np.ndarray  # (T,) int64 original positions of the new tokens
+    key: np.ndarray  # (L, Hkv, T, D), RoPE applied
+    value: np.ndarray  # (L, Hkv, T, D)
+    attention: np.ndarray  # (L, Hkv, G, T, C): new queries on the cache's C slots (grouped by KV head)
+    chunk_attention: np.ndarray  # (L, Hkv, G, T, T): new queries on the new tokens (causal)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.positions)
+
+
+@dataclass
+class Candidates:
+    """The C old slots followed by the T new tokens of one append, with what a policy scores them by."""
+
+    positions: np.ndarray  # (L, Hkv, C + T) int64, -1 where an old slot is empty
+    statistics: dict[str, np.ndarray]  # name -> (L, Hkv, C + T) float32
+    tokens_seen: int  # after the append
+    capacity: int  # C
+
+    @property
+    def valid(self) -> np.ndarray:  # (L, Hkv, C + T) bool
+        return self.positions >= 0
+
+
+class SlotCache:
+    """One sequence's keys, values and per-slot metadata under one eviction policy."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        policy: "EvictionPolicy",
+        budget: int | None,
+        initial_capacity: int = 0,
+    ) -> None:
+        if budget is not None and budget < 1:
+            raise ValueError(f"budget must be at least 1 slot per head, got {budget}")
+        self.spec = spec
+        self.policy = policy
+        self.budget = budget  # None: unbounded (the full cache)
+        self.dtype = np.dtype(spec.dtype)
+        self.length = 0  # valid slots per head (the prefix [0, length))
+        self.tokens_seen = 0
+        self.peak_bytes = 0
+        self.storage_owner: object | None = None  # the batch pool whose arrays `key`/`value` view
+        self.policy_state: Any = None  # per-sequence state a policy or its scorer keeps
+        self.key = self._zeros_kv(0)  # (L, Hkv, C, D)
+        self.value = self._zeros_kv(0)  # (L, Hkv, C, D)
+        self.position = np.full(self._head_shape(0), -1, np.int64)  # (L, Hkv, C), -1 = empty
+        self.statistics = {name: np.zeros(self._head_shape(0), np.float32) for name in policy.statistics}
+        self.reserve(initial_capacity)
+        policy.init_state(self)
+
+    # -- geometry and memory --------------------------------------------------------------------
+
+    def _head_shape(self, slots: int) -> tuple[int, int, int]:
+        return (self.spec.num_layers, self.spec.num_kv_heads, slots)
+
+    def _zeros_kv(self, slots: int) -> np.ndarray:
+        return np.zeros((*self._head_shape(slots), self.spec.head_dim), self.dtype)
+
+    @property
+    def capacity(self) -> int:
+        return self.key.shape[2]
+
+    @property
+    def limit(self) -> float:
+        return float("inf") if self.budget is None else self.budget
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the key and value storage this sequence holds (2 * L * Hkv * C * D * itemsize)."""
+        return self.capacity * self.spec.kv_bytes_per_token
+
+    @property
+    def tokens_evicted(self) -> int:
+        return self.tokens_seen - self.length
+
+    def slot_mask(self) -> np.ndarray:  # (C,) bool
+        return np.arange(self.capacity) < self.length
+
+    def reserve(self, slots: int) -> None:
+        """Make room for `slots` slots per head (never beyond the budget), growing in blocks."""
+        slots = int(min(slots, self.limit))
+        if slots <= self.capacity:
+            return
+        new_capacity = int(min(_round_up(slots, GROWTH_BLOCK), self.limit))
+        key, value = self._zeros_kv(new_capacity), self._zeros_kv(new_capacity)
+        key[:, :, : self.length] = self.key[:, :, : self.length]
+        value[:, :, : self.length] = self.value[:, :, : self.length]
+        self.key, self.value, self.storage_owner = key, value, None
+        self.position = self._grown(self.position, new_capacity, fill=-1)
+        self.statistics = {name: self._grown(stat, new_capacity, fill=0) for name, stat in self.statistics.items()}
+        self.peak_bytes = max(self.peak_bytes, self.nbytes)
+
+    def _grown(self, array: np.ndarray, capacity: int, fill: float) -> np.ndarray:
+        grown = np.full(self._head_shape(capacity), fill, array.dtype)
+        grown[:, :, : self.length] = array[:, :, : self.length]
+        return grown
+
+    def rebind(self, key: np.ndarray, value: np.ndarray, owner: object) -> None:
+        """Move the keys and values into `owner`'s storage (views of shape (L, Hkv, C, D))."""
+        if key.shape != self.key.shape or value.shape != self.value.shape:
+            raise ValueError(f"rebind needs views of shape {self.key.shape}, got {key.shape}")
+        key[:, :, : self.length] = self.key[:, :, : self.length]
+        value[:, :, : self.length] = self.value[:, :, : self.length]
+        self.key, self.value, self.storage_owner = key, value, owner
+
+    # -- writing tokens -------------------------------------------------------------------------
+
+    def append(
+        self,
+        key: np.ndarray,  # (L, Hkv, T, D)
+        value: np.ndarray,  # (L, Hkv, T, D)
+        attention: np.ndarray,  # (L, Hq, T, S) with S >= C; slots beyond C are padding
+        chunk_attention: np.ndarray,  # (L, Hq, T, T)
+    ) -> None:
+        """Store T new tokens, evicting per head with the policy when the budget is exceeded."""
+        num_layers, num_kv_heads, new_tokens, _ = key.shape
+        group = self.spec.query_heads_per_kv_head
+        capacity = self.capacity
+        update = CacheUpdate(
+            positions=np.arange(self.tokens_seen, self.tokens_seen + new_tokens, dtype=np.int64),
+            key=key,
+            value=value,
+            attention=attention[..., :capacity].reshape(num_layers, num_kv_heads, group, new_tokens, capacity),
+            chunk_attention=chunk_attention.reshape(num_layers, num_kv_heads, group, new_tokens, new_tokens),
+        )
+        new_statistics = self.policy.observe(self, update)
+        self.tokens_seen += new_tokens
+        if self.length + new_tokens <= self.limit:
+            self._write_after_prefix(update, new_statistics)
+        else:
+            self.reserve(self.budget)
+            self._write_evicting(update, new_statistics)
+
+    def _write_after_prefix(self, update: CacheUpdate, new_statistics: dict[str, np.ndarray]) -> None:
+        start, stop = self.length, self.length + update.num_tokens
+        self.reserve(stop)
+        self.key[:, :, start:stop] = update.key
+        self.value[:, :, start:stop] = update.value
+        self.position[:, :, start:stop] = update.positions
+        for name, stat in self.statistics.items():
+            stat[:, :, start:stop] = new_statistics[name]
+        self.length = stop
+
+    def _write_evicting(self, update: CacheUpdate, new_statistics: dict[str, np.ndarray]) -> None:
+        capacity, new_tokens = self.capacity, update.num_tokens
+        candidates = Candidates(
+            positions=np.concatenate(
+                [self.position, np.broadcast_to(update.positions, (*self._head_shape(0)[:2], new_tokens))], axis=2
+            ),
+            statistics={
+                name: np.concatenate([stat, new_statistics[name]], axis=2) for name, stat in self.statistics.items()
+            },
+            tokens_seen=self.tokens_seen,
+            capacity=capacity,
+        )
+        priority = self.policy.keep_priority(self, candidates)  # (L, Hkv, C + T)
+        # Keep the `capacity` highest priorities per head; empty old slots always lose.
+        priority = np.where(candidates.valid, priority, -np.inf)
+        dropped = np.argpartition(priority, new_tokens - 1, axis=2)[..., :new_tokens]  # (L, Hkv, T)
+        keep = np.ones(priority.shape, bool)
+        np.put_along_axis(keep, dropped, False, axis=2)
+        # Pair each head's kept new tokens with its dropped old slots (equal counts), in index order.
+        old_dropped, new_kept = ~keep[..., :capacity], keep[..., capacity:]
+        pairs = min(capacity, new_tokens)
+        slots = np.argsort(~old_dropped, axis=2, kind="stable")[..., :pairs]  # dropped old slots first
+        tokens = np.argsort(~new_kept, axis=2, kind="stable")[..., :pairs]  # kept new tokens first
+        used = np.arange(pairs) < new_kept.sum(axis=2, keepdims=True)  # (L, Hkv, pairs)
+        layer, head, pair = np.nonzero(used)
+        slot, token = slots[layer, head, pair], tokens[layer, head, pair]
+        self.key[layer, head, slot] = update.key[layer, head, token]
+        self.value[layer, head, slot] = update.value[layer, head, token]
+        self.position[layer, head, slot] = update.positions[token]
+        for name, stat in self.statistics.items():
+            stat[layer, head, slot] = new_statistics[name][layer, head, token]
+        self.length = capacity

@@ -1,0 +1,333 @@
+"""The generation loop: in-flight batching of sequences, each with its own fixed-budget slot cache.
+
+Every `step` (one driving thread): apply cancellations, admit waiting requests up to
+`max_batch_size` and prefill them (chunked, evicting as they go, so peak memory stays bounded by
+budget + chunk), then run ONE batched decode step over every sequence that was already running.
+Sequences of different lengths and budgets share the step through the batch pool (padded slots are
+masked). `add_request` and `cancel` may be called from other threads: they only touch the queue
+under the engine's lock; everything else belongs to the thread calling `step`.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from kvpop.cache import BatchSlotPool, SlotCache
+from kvpop.decoder import DecoderStep, StepOutput
+from kvpop.policies import POLICIES, EvictionPolicy, make_policy
+from kvpop.sampling import Sampler, SamplingParams
+
+FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED = "stop", "length", "cancelled"
+NO_TOKEN = -1  # token_id of an event that carries no token (a cancellation)
+
+
+class Tokenizer(Protocol):
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+@dataclass
+class CacheConfig:
+    """Which policy keeps a request's cache, and how many slots per head it may use.
+
+    Give `budget` (slots per head) or `compression` (0 <= r < 1; budget = ceil((1 - r) * (prompt
+    tokens + max_tokens))), not both; `full` takes neither. `sinks`, `window`, `seed` and `scorer`
+    reach the policies that have such a field (streaming: sinks; h2o: window; random: seed; kvpop:
+    sinks, window, scorer) and are clamped so that sinks + window fit in the budget.
+    """
+
+    policy: str = "full"
+    budget: int | None = None
+    compression: float | None = None
+    sinks: int = 4
+    window: int = 64
+    seed: int = 0  # random policy
+    scorer: str = "accumulated_attention"  # kvpop policy
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown eviction policy {self.policy!r}; registered: {', '.join(POLICIES)}")
+        bounded = POLICIES[self.policy].evicts
+        if not bounded and (self.budget is not None or self.compression is not None):
+            raise ValueError("policy 'full' keeps every token: give neither budget nor compression")
+        if bounded and (self.budget is None) == (self.compression is None):
+            raise ValueError(f"policy {self.policy!r} needs exactly one of budget (slots) or compression (ratio)")
+        if self.budget is not None and (isinstance(self.budget, bool) or int(self.budget) != self.budget or self.budget < 1):
+            raise ValueError(f"budget must be a positive whole number of slots per head, got {self.budget!r}")
+        if self.compression is not None and not 0.0 <= self.compression < 1.0:
+            raise ValueError(f"compression must be in [0, 1), got {self.compression!r}")
+        if self.sinks < 0 or self.window < 0:
+            raise ValueError(f"sinks and window must be >= 0, got sinks={self.sinks} window={self.window}")
+        self.build_policy()  # fails here, with the policy's own message, on bad options
+
+    def resolve_budget(self, prompt_tokens: int, max_tokens: int) -> int | None:
+        """Slots per head for a request of this size; None for the unbounded full cache."""
+        if self.budget is not None:
+            return int(self.budget)
+        if self.compression is None:
+            return None
+        return max(1, math.ceil((1.0 - self.compression) * (prompt_tokens + max_tokens)))
+
+    def build_policy(self) -> EvictionPolicy:
+        return make_policy(self.policy, sinks=self.sinks, window=self.window, seed=self.seed, scorer=self.scorer)
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = [int(token) for token in self.prompt_ids]
+        if not self.prompt_ids:
+            raise ValueError(f"request {self.request_id!r}: prompt_ids is empty")
+
+
+@dataclass
+class TokenEvent:
+    request_id: str
+    token_id: int  # NO_TOKEN (-1) for a cancellation
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "cancelled" once finished
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]  # includes a final EOS token, as Hugging Face generate does
+    finish_reason: str
+    budget: int  # slots per head (for full: the tokens it ended up holding)
+    peak_kv_bytes: int  # largest key + value storage this sequence held
+    tokens_evicted: int  # per head (every head evicts the same number)
+    compression: float  # 1 - cached tokens / tokens seen
+    tokens_seen: int = 0
+    policy: str = "full"
+    matched_stop: str | None = None  # the stop string that ended it, if any (its tokens stay in output_ids)
+
+
+@dataclass
+class _Sequence:
+    request: GenerationRequest
+    cache: SlotCache
+    sampler: Sampler
+    output_ids: list[int] = field(default_factory=list)
+    pending_token: int = NO_TOKEN  # sampled, not yet fed to the model
+    finish_reason: str | None = None
+    matched_stop: str | None = None
+
+
+class Engine:
+    def __init__(
+        self,
+        decoder: DecoderStep,
+        tokenizer: Tokenizer | None = None,
+        max_batch_size: int = 8,
+        prefill_chunk: int = 256,
+    ) -> None:
+        if max_batch_size < 1 or prefill_chunk < 1:
+            raise ValueError(f"max_batch_size and prefill_chunk must be >= 1, got {max_batch_size}, {prefill_chunk}")
+        self.decoder = decoder
+        self.spec = decoder.spec
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.prefill_chunk = prefill_chunk
+        self._lock = threading.Lock()  # guards _waiting, _cancelled, _finished, _request_ids
+        self._waiting: deque[GenerationRequest] = deque()
+        self._cancelled: set[str] = set()
+        self._finished: dict[str, GenerationResult] = {}
+        self._request_ids: set[str] = set()  # every id not yet released by `result`
+        self._running: dict[str, _Sequence] = {}  # step thread only
+        self._pool = BatchSlotPool(self.spec)
+
+    @classmethod
+    def from_model_dir(cls, model_dir: Path, device: str = "cpu", **options: Any) -> "Engine":
+        """An engine over an exported model directory, with its tokenizer for stop strings."""
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(Path(model_dir) / "tokenizer")
+        return cls(DecoderStep(model_dir, device=device), tokenizer=tokenizer, **options)
+
+    # -- public API (add_request / cancel / result are safe from other threads) -------------------
+
+    def add_request(self, request: GenerationRequest) -> None:
+        """Queue a request; it joins the running batch at the next step. Raises ValueError if invalid."""
+        bad = [token for token in request.prompt_ids if not 0 <= token < self.spec.vocab_size]
+        if bad:
+            raise ValueError(f"request {request.request_id!r}: token ids out of vocabulary [0, {self.spec.vocab_size}): {bad[:5]}")
+        if len(request.prompt_ids) >= self.spec.max_position_embeddings:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt of {len(request.prompt_ids)} tokens does not fit "
+                f"the model's {self.spec.max_position_embeddings} positions"
+            )
+        if request.sampling.stop and self.tokenizer is None:
+            raise ValueError(f"request {request.request_id!r}: stop strings need an engine with a tokenizer")
+        with self._lock:
+            if request.request_id in self._request_ids:
+                raise ValueError(f"request id {request.request_id!r} is already in use")
+            self._request_ids.add(request.request_id)
+            self._waiting.append(request)
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request at the next step and free its slots (unknown or finished ids are ignored)."""
+        with self._lock:
+            self._cancelled.add(request_id)
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._waiting or self._running)
+
+    def result(self, request_id: str) -> GenerationResult:
+        """The finished request's result; releases it (and its id)."""
+        with self._lock:
+            if request_id not in self._finished:
+                state = "unknown" if request_id not in self._request_ids else "not finished"
+                raise KeyError(f"request {request_id!r} is {state}")
+            self._request_ids.discard(request_id)
+            return self._finished.pop(request_id)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def kv_bytes_in_use(self) -> int:
+        """Key/value bytes held now: the batch pool plus caches outside it (being prefilled)."""
+        running = list(self._running.values())
+        outside = sum(seq.cache.nbytes for seq in running if seq.cache.storage_owner is not self._pool)
+        return self._pool.nbytes + outside
+
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        """Run `requests` to completion (in-flight batched) and return their results in order."""
+        for request in requests:
+            self.add_request(request)
+        pending = {request.request_id for request in requests}
+        while pending:
+            for event in self.step():
+                if event.finished:
+                    pending.discard(event.request_id)
+        return [self.result(request.request_id) for request in requests]
+
+    def step(self) -> list[TokenEvent]:
+        """Prefill newly admitted requests, then one batched decode step of the others."""
+        with self._lock:
+            cancelled, self._cancelled = self._cancelled, set()
+            events = [self._finish_waiting(request) for request in self._waiting if request.request_id in cancelled]
+            self._waiting = deque(request for request in self._waiting if request.request_id not in cancelled)
+            admitted = [self._waiting.popleft() for _ in range(min(len(self._waiting), self.max_batch_size - len(self._running)))]
+        for request_id in cancelled & self._running.keys():
+            sequence = self._running[request_id]
+            events.append(self._finish(sequence, FINISH_CANCELLED, NO_TOKEN))
+        decoding = list(self._running.values())
+        for request in admitted:
+            sequence = self._prefill(request)
+            self._running[request.request_id] = sequence
+            events.append(self._accept(sequence, sequence.pending_token))
+        if decoding:
+            events.extend(self._decode(decoding))
+        if not self._running:
+            self._pool.release()
+        return events
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _prefill(self, request: GenerationRequest) -> _Sequence:
+        """Feed the prompt in chunks (evicting between chunks, so memory stays bounded); sample token 1."""
+        prompt = np.asarray(request.prompt_ids, dtype=np.int64)
+        budget = request.cache.resolve_budget(len(prompt), request.sampling.max_tokens)
+        cache = SlotCache(self.spec, request.cache.build_policy(), budget)
+        # A bounded cache takes at most `budget` tokens per chunk, so no query ever sees more than
+        # budget cached + budget new tokens (a larger chunk would flatter the policy).
+        chunk_size = self.prefill_chunk if budget is None else min(self.prefill_chunk, budget)
+        for start in range(0, len(prompt), chunk_size):
+            chunk = prompt[start : start + chunk_size]
+            positions = np.arange(start, start + len(chunk), dtype=np.int64)
+            out = self.decoder.run(chunk[None], positions[None], cache.key[:, None], cache.value[:, None], cache.slot_mask()[None])
+            self._store(cache, out, row=0)
+        sequence = _Sequence(request=request, cache=cache, sampler=Sampler(request.sampling))
+        sequence.pending_token = sequence.sampler(out.logits[0, -1])
+        return sequence
+
+    def _decode(self, sequences: list[_Sequence]) -> list[TokenEvent]:
+        caches = [sequence.cache for sequence in sequences]
+        self._pool.bind(caches)
+        input_ids = np.array([[sequence.pending_token] for sequence in sequences], dtype=np.int64)  # (B, 1)
+        positions = np.array([[cache.tokens_seen] for cache in caches], dtype=np.int64)  # (B, 1)
+        out = self.decoder.run(input_ids, positions, self._pool.key, self._pool.value, self._pool.slot_mask(caches))
+        events = []
+        for row, sequence in enumerate(sequences):
+            self._store(sequence.cache, out, row)
+            events.append(self._accept(sequence, sequence.sampler(out.logits[row, -1])))
+        return events
+
+    @staticmethod
+    def _store(cache: SlotCache, out: StepOutput, row: int) -> None:
+        cache.append(out.new_key[:, row], out.new_value[:, row], out.attention[:, row], out.chunk_attention[:, row])
+
+    def _accept(self, sequence: _Sequence, token: int) -> TokenEvent:
+        """Record a sampled token and decide whether the sequence ends with it."""
+        sequence.output_ids.append(token)
+        sequence.pending_token = token
+        sampling = sequence.request.sampling
+        if token in self.spec.eos_token_ids and not sampling.ignore_eos:
+            return self._finish(sequence, FINISH_STOP, token)
+        if sampling.stop:
+            sequence.matched_stop = self._matched_stop(sequence.output_ids, sampling.stop)
+            if sequence.matched_stop is not None:
+                return self._finish(sequence, FINISH_STOP, token)
+        if len(sequence.output_ids) >= sampling.max_tokens or sequence.cache.tokens_seen + 1 >= self.spec.max_position_embeddings:
+            return self._finish(sequence, FINISH_LENGTH, token)
+        return TokenEvent(sequence.request.request_id, token, finished=False, finish_reason=None)
+
+    def _matched_stop(self, output_ids: list[int], stops: tuple[str, ...]) -> str | None:
+        # A stop string is completed by the newest token; decoding a short tail is enough to see it
+        # (every token decodes to at least one byte; a character is at most 4 bytes).
+        tail = output_ids[-(4 * max(len(stop) for stop in stops) + 4) :]
+        text = self.tokenizer.decode(tail, skip_special_tokens=True)
+        return next((stop for stop in stops if stop in text), None)
+
+    def _finish(self, sequence: _Sequence, reason: str, token: int) -> TokenEvent:
+        cache, request = sequence.cache, sequence.request
+        self._running.pop(request.request_id, None)
+        result = GenerationResult(
+            request_id=request.request_id,
+            prompt_ids=request.prompt_ids,
+            output_ids=sequence.output_ids,
+            finish_reason=reason,
+            budget=cache.budget if cache.budget is not None else cache.length,
+            peak_kv_bytes=cache.peak_bytes,
+            tokens_evicted=cache.tokens_evicted,
+            compression=cache.tokens_evicted / cache.tokens_seen if cache.tokens_seen else 0.0,
+            tokens_seen=cache.tokens_seen,
+            policy=request.cache.policy,
+            matched_stop=sequence.matched_stop,
+        )
+        with self._lock:
+            self._finished[request.request_id] = result
+        return TokenEvent(request.request_id, token, finished=True, finish_reason=reason)
+
+    def _finish_waiting(self, request: GenerationRequest) -> TokenEvent:
+        """A request cancelled before it started (called under the lock)."""
+        self._finished[request.request_id] = GenerationResult(
+            request.request_id, request.prompt_ids, [], FINISH_CANCELLED, budget=0, peak_kv_bytes=0,
+            tokens_evicted=0, compression=0.0, policy=request.cache.policy,
+        )
+        return TokenEvent(request.request_id, NO_TOKEN, finished=True, finish_reason=FINISH_CANCELLED)
+
+
+__all__ = [
+    "CacheConfig",
+    "Engine",
+    "GenerationRequest",
+    "GenerationResult",
+    "SamplingParams",
+    "TokenEvent",
+]

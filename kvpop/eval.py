@@ -1,0 +1,222 @@
+"""Quality harness: accuracy of the engine on a JSONL of {"prompt", "answer"} under one policy/budget,
+or a sweep of every policy over compression ratios (JSON + markdown table + accuracy plot).
+
+    python -m kvpop.eval --model DIR --tasks FILE.jsonl --policy P (--budget N | --compression R) --out report.json
+    python -m kvpop.eval --model DIR --tasks FILE.jsonl --sweep --out-dir DIR [--compressions 0,0.5,0.75,0.88,0.94]
+
+Scoring: `final_answer` (default) is the project tasks' exact match of the word after "#";
+`contains` counts an answer found anywhere in the generated text (for arbitrary JSONL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from kvpop.engine import CacheConfig, Engine, GenerationRequest, SamplingParams
+from kvpop.policies import POLICIES
+
+SWEEP_COMPRESSIONS = (0.0, 0.5, 0.75, 0.88, 0.94)
+
+
+def load_tasks(path: Path, limit: int | None = None) -> list[dict]:
+    tasks = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        if "prompt" not in record or "answer" not in record:
+            raise ValueError(f"{path}:{number}: every line needs 'prompt' and 'answer' fields")
+        tasks.append(record)
+    if not tasks:
+        raise ValueError(f"{path}: no tasks")
+    return tasks[:limit] if limit else tasks
+
+
+def scorer(name: str) -> Callable[[str, str], bool]:
+    if name == "contains":
+        return lambda generated, answer: str(answer).strip() in generated
+    from kvpop.tasks import exact_match
+
+    return lambda generated, answer: exact_match(generated, str(answer))
+
+
+def encode(tokenizer, prompt: str) -> list[int]:
+    ids = list(tokenizer(prompt)["input_ids"])
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return ids if bos is None or (ids and ids[0] == bos) else [bos, *ids]
+
+
+def evaluate(
+    engine: Engine, tasks: list[dict], cache: CacheConfig, max_tokens: int, scoring: str = "final_answer"
+) -> dict:
+    """Run every task greedily under `cache`; return the report (summary + one row per task)."""
+    tokenizer, is_correct = engine.tokenizer, scorer(scoring)
+    requests = [
+        GenerationRequest(f"task-{index}", encode(tokenizer, task["prompt"]), SamplingParams(max_tokens=max_tokens), cache)
+        for index, task in enumerate(tasks)
+    ]
+    start = time.perf_counter()
+    results = engine.generate(requests)
+    seconds = time.perf_counter() - start
+    rows = []
+    for task, result in zip(tasks, results):
+        text = tokenizer.decode(result.output_ids, skip_special_tokens=True)
+        rows.append({
+            "index": task.get("index", len(rows)),
+            "answer": str(task["answer"]),
+            "generated": text,
+            "correct": bool(is_correct(text, task["answer"])),
+            "prompt_tokens": len(result.prompt_ids),
+            "output_tokens": len(result.output_ids),
+            "budget": result.budget,
+            "compression": result.compression,
+            "peak_kv_bytes": result.peak_kv_bytes,
+        })
+    count = len(rows)
+    return {
+        "policy": cache.policy,
+        "budget": cache.budget,
+        "compression_target": cache.compression,
+        "sinks": cache.sinks,
+        "window": cache.window,
+        "scoring": scoring,
+        "tasks": count,
+        "accuracy": sum(row["correct"] for row in rows) / count,
+        "compression_achieved": sum(row["compression"] for row in rows) / count,
+        "mean_budget": sum(row["budget"] for row in rows) / count,
+        "max_peak_kv_bytes": max(row["peak_kv_bytes"] for row in rows),
+        "generated_tokens_per_s": sum(row["output_tokens"] for row in rows) / seconds,
+        "seconds": seconds,
+        "rows": rows,
+    }
+
+
+def sweep(
+    engine: Engine,
+    tasks: list[dict],
+    out_dir: Path,
+    policies: list[str],
+    compressions: tuple[float, ...],
+    max_tokens: int,
+    scoring: str,
+    sinks: int,
+    window: int,
+) -> list[dict]:
+    """Every policy x compression. At 0% nothing is evicted, so every policy IS the full cache:
+    full runs once and stands for all of them there."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    full = evaluate(engine, tasks, CacheConfig(policy="full", sinks=sinks, window=window), max_tokens, scoring)
+    summary = [_summary_row(full, "full", 0.0)]
+    print(f"full: accuracy {full['accuracy']:.3f}", flush=True)
+    for policy in policies:
+        if policy == "full":
+            continue
+        for ratio in compressions:
+            if ratio == 0.0:
+                summary.append({**_summary_row(full, policy, 0.0), "note": "no eviction at 0%: the full cache"})
+                continue
+            config = CacheConfig(policy=policy, compression=ratio, sinks=sinks, window=window)
+            report = evaluate(engine, tasks, config, max_tokens, scoring)
+            summary.append(_summary_row(report, policy, ratio))
+            print(f"{policy} @ {ratio:.0%}: accuracy {report['accuracy']:.3f}", flush=True)
+    (out_dir / "sweep.json").write_text(json.dumps({"tasks": len(tasks), "scoring": scoring, "results": summary}, indent=2) + "\n")
+    (out_dir / "sweep.md").write_text(markdown_table(summary, compressions))
+    plot_sweep(summary, out_dir / "accuracy_vs_compression.png")
+    return summary
+
+
+def _summary_row(report: dict, policy: str, ratio: float) -> dict:
+    keys = ("accuracy", "compression_achieved", "mean_budget", "max_peak_kv_bytes", "generated_tokens_per_s", "tasks")
+    return {"policy": policy, "compression": ratio, **{key: report[key] for key in keys}}
+
+
+def markdown_table(summary: list[dict], compressions: tuple[float, ...]) -> str:
+    accuracy = {(row["policy"], row["compression"]): row["accuracy"] for row in summary}
+    full = accuracy[("full", 0.0)]
+    lines = [
+        "| policy | " + " | ".join(f"{ratio:.0%}" for ratio in compressions) + " |",
+        "|---|" + "---|" * len(compressions),
+        "| full | " + " | ".join(f"{full:.3f}" if ratio == 0.0 else "-" for ratio in compressions) + " |",
+    ]
+    for policy in dict.fromkeys(row["policy"] for row in summary if row["policy"] != "full"):
+        cells = [f"{accuracy[(policy, ratio)]:.3f}" if (policy, ratio) in accuracy else "-" for ratio in compressions]
+        lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+    return "Accuracy by eviction policy and compression (1 - budget / tokens).\n\n" + "\n".join(lines) + "\n"
+
+
+def plot_sweep(summary: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for policy in dict.fromkeys(row["policy"] for row in summary if row["policy"] != "full"):
+        rows = [row for row in summary if row["policy"] == policy]
+        axes.plot([100 * row["compression"] for row in rows], [row["accuracy"] for row in rows], marker="o", label=policy)
+    full = next(row["accuracy"] for row in summary if row["policy"] == "full")
+    axes.axhline(full, color="black", linestyle="--", label="full cache")
+    axes.set(xlabel="compression (%)", ylabel="accuracy", title="Accuracy vs KV compression", ylim=(-0.02, 1.02))
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvpop.eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, required=True, help="exported model directory (decoder_step.onnx)")
+    parser.add_argument("--tasks", type=Path, required=True, help="JSONL with 'prompt' and 'answer' per line")
+    parser.add_argument("--policy", choices=list(POLICIES), default="full")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--budget", type=int, help="slots per head")
+    size.add_argument("--compression", type=float, help="0 <= r < 1")
+    parser.add_argument("--sinks", type=int, default=4)
+    parser.add_argument("--window", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--limit", type=int, default=None, help="first N tasks only")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--prefill-chunk", type=int, default=256)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--scoring", choices=["final_answer", "contains"], default="final_answer")
+    parser.add_argument("--out", type=Path, help="report JSON (single run)")
+    parser.add_argument("--sweep", action="store_true", help="every policy x --compressions")
+    parser.add_argument("--out-dir", type=Path, help="sweep output folder")
+    parser.add_argument("--policies", default=",".join(POLICIES), help="sweep: comma-separated policies")
+    parser.add_argument("--compressions", default=",".join(str(r) for r in SWEEP_COMPRESSIONS))
+    args = parser.parse_args(argv)
+
+    tasks = load_tasks(args.tasks, args.limit)
+    engine = Engine.from_model_dir(args.model, device=args.device, max_batch_size=args.batch_size, prefill_chunk=args.prefill_chunk)
+    if args.sweep:
+        if args.out_dir is None:
+            parser.error("--sweep needs --out-dir")
+        policies = [name.strip() for name in args.policies.split(",") if name.strip()]
+        unknown = [name for name in policies if name not in POLICIES]
+        if unknown:
+            parser.error(f"unknown policies {unknown}; registered: {', '.join(POLICIES)}")
+        compressions = tuple(float(ratio) for ratio in args.compressions.split(","))
+        sweep(engine, tasks, args.out_dir, policies, compressions, args.max_tokens, args.scoring, args.sinks, args.window)
+        print(f"wrote {args.out_dir}/sweep.json, sweep.md, accuracy_vs_compression.png")
+        return 0
+    if args.out is None:
+        parser.error("a single run needs --out")
+    try:
+        config = CacheConfig(policy=args.policy, budget=args.budget, compression=args.compression, sinks=args.sinks, window=args.window)
+    except ValueError as error:
+        parser.error(str(error))
+    report = evaluate(engine, tasks, config, args.max_tokens, args.scoring)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"{args.policy}: accuracy {report['accuracy']:.3f} on {report['tasks']} tasks, "
+          f"compression {report['compression_achieved']:.1%} -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

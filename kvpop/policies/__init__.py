@@ -1,0 +1,44 @@
+"""Eviction policies, one per module, registered by name.
+
+A new policy: one module with a dataclass subclass of `EvictionPolicy`, added to `POLICIES`; the
+test matrix in tests/test_policies.py picks it up and demands a constructed eviction case for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+from kvpop.policies.base import EvictionPolicy
+from kvpop.policies.full import FullPolicy
+from kvpop.policies.h2o import H2OPolicy
+from kvpop.policies.kvpop import KVpopPolicy
+from kvpop.policies.random import RandomPolicy
+from kvpop.policies.scorers import SCORERS, AccumulatedAttentionScorer, LeavingTokens, TokenScorer
+from kvpop.policies.streaming import StreamingPolicy
+from kvpop.policies.tova import TOVAPolicy
+
+POLICIES: dict[str, type[EvictionPolicy]] = {
+    policy.name: policy
+    for policy in (FullPolicy, StreamingPolicy, H2OPolicy, TOVAPolicy, RandomPolicy, KVpopPolicy)
+}
+
+
+def make_policy(name: str, **options: Any) -> EvictionPolicy:
+    """Build policy `name`, passing only the options it has as fields (sinks, window, seed, scorer...)."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown eviction policy {name!r}; registered: {', '.join(POLICIES)}")
+    policy = POLICIES[name]
+    accepted = {field.name for field in fields(policy) if field.init}
+    return policy(**{key: value for key, value in options.items() if key in accepted})
+
+
+__all__ = [
+    "POLICIES",
+    "SCORERS",
+    "AccumulatedAttentionScorer",
+    "EvictionPolicy",
+    "LeavingTokens",
+    "TokenScorer",
+    "make_policy",
+]

@@ -1,0 +1,75 @@
+"""Scorers for the kvpop policy: what decides a token's worth when it leaves the protected window.
+
+The learned scorer (an ONNX mLSTM or MLP per KV head) plugs in here later. The interface is built
+for it: `init_state` creates per-sequence recurrent state (kept in the slot cache, so it travels
+with the sequence), `observe` sees every new token's key and value once, in order, and `score` is
+called only for the tokens leaving the window now. Scores are fixed once given.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from kvpop.policies.base import accumulate_attention
+
+if TYPE_CHECKING:
+    from kvpop.cache.slot_cache import CacheUpdate, SlotCache
+
+
+@dataclass
+class LeavingTokens:
+    """The M tokens leaving the protected window in one append (M is the same for every head)."""
+
+    positions: np.ndarray  # (L, Hkv, M) int64
+    key: np.ndarray  # (L, Hkv, M, D)
+    value: np.ndarray  # (L, Hkv, M, D)
+    statistics: dict[str, np.ndarray]  # the scorer's own statistics, name -> (L, Hkv, M)
+
+
+class TokenScorer(ABC):
+    name: ClassVar[str]
+    statistics: ClassVar[tuple[str, ...]] = ()  # per-slot statistics the cache keeps for this scorer
+
+    def init_state(self, cache: "SlotCache") -> Any:
+        """Per-sequence state (e.g. recurrent memory per head); stored by the policy in the cache."""
+        return None
+
+    def observe(self, cache: "SlotCache", state: Any, update: "CacheUpdate") -> dict[str, np.ndarray]:
+        """See the new tokens; update cached slots' statistics; return the new tokens' (L, Hkv, T)."""
+        return {}
+
+    @abstractmethod
+    def score(self, cache: "SlotCache", state: Any, leaving: LeavingTokens) -> np.ndarray:
+        """(L, Hkv, M) worth of the leaving tokens; higher is kept."""
+
+
+class AccumulatedAttentionScorer(TokenScorer):
+    """Score = attention the token received while it sat in the protected window (summed over the
+    queries and the query heads of its group): an attention-based stand-in for the learned scorer,
+    close in spirit to its "future attention" training target."""
+
+    name = "accumulated_attention"
+    statistics = ("accumulated_attention",)
+
+    def observe(self, cache, state, update) -> dict[str, np.ndarray]:
+        return {"accumulated_attention": accumulate_attention(cache, update, "accumulated_attention")}
+
+    def score(self, cache, state, leaving) -> np.ndarray:
+        return leaving.statistics["accumulated_attention"]
+
+
+SCORERS: dict[str, type[TokenScorer]] = {
+    scorer.name: scorer for scorer in (AccumulatedAttentionScorer,)
+}
+
+
+def make_scorer(scorer: "str | TokenScorer") -> TokenScorer:
+    if isinstance(scorer, TokenScorer):
+        return scorer
+    if scorer not in SCORERS:
+        raise ValueError(f"unknown kvpop scorer {scorer!r}; registered: {', '.join(sorted(SCORERS))}")
+    return SCORERS[scorer]()

@@ -1,0 +1,27 @@
+"""TOVA (Oren et al., 2024, "Transformers are Multi-State RNNs").
+
+Evicts the token with the lowest attention from the current (most recent) query, averaged over the
+query heads of the token's GQA group. No sinks or window: TOVA keeps them only if they are attended.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvpop.policies.base import EvictionPolicy, group_attention
+
+
+@dataclass
+class TOVAPolicy(EvictionPolicy):
+    name = "tova"
+    statistics = ("last_query_attention",)
+
+    def observe(self, cache, update) -> dict[str, np.ndarray]:
+        # Only the last new query counts: it is the "current" one when the eviction happens.
+        cache.statistics["last_query_attention"][:] = group_attention(update.attention[..., -1:, :], "mean")
+        return {"last_query_attention": group_attention(update.chunk_attention[..., -1:, :], "mean")}
+
+    def score(self, cache, candidates) -> np.ndarray:
+        return candidates.statistics["last_query_attention"]

@@ -1,0 +1,117 @@
+"""One matrix over every registered policy: constructed eviction cases, promises kept, size constant.
+
+A newly registered policy fails `test_every_policy_has_a_constructed_case` until it adds its
+expected eviction to EXPECTED_EVICTIONS.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvpop.cache import SlotCache
+from kvpop.model_spec import ModelSpec
+from kvpop.policies import POLICIES, make_policy
+
+SPEC = ModelSpec("LlamaForCausalLM", num_layers=1, num_attention_heads=4, num_kv_heads=2, head_dim=4,
+                 vocab_size=16, dtype="float32", max_position_embeddings=4096)
+OPTIONS = {"sinks": 1, "window": 2, "seed": 7}
+BUDGET = 6
+
+# How much attention every query of KV head h gives to the token at position p (both query heads of
+# the group alike). Head 0: position 3 is weak. Head 1: position 0 is weakest overall, 5 is weak for
+# the newest query, 4 (the token leaving kvpop's window when token 6 arrives) is weaker than 2.
+IMPORTANCE = np.ones((2, 7), np.float32)
+IMPORTANCE[0, 3] = 0.01
+IMPORTANCE[1, [0, 2, 4, 5]] = [0.01, 0.5, 0.3, 0.005]
+
+# Positions evicted per KV head when token 6 arrives in a full cache of 6 slots (0..5).
+EXPECTED_EVICTIONS = {
+    "full": (None, None),  # grows to 7 slots instead
+    "streaming": (1, 1),  # oldest non-sink, attention ignored
+    "h2o": (3, 0),  # lowest accumulated attention outside the window {5, 6}; no sinks
+    "tova": (3, 5),  # lowest attention from the newest query; nothing protected
+    "random": "seeded",  # checked for reproducibility instead
+    "kvpop": (3, 4),  # head 0: a kept long-range token; head 1: the token leaving the window
+}
+
+
+def feed_constructed(cache: SlotCache, until: int) -> None:
+    """Feed tokens one at a time, up to position `until` - 1, with attention from IMPORTANCE."""
+    group = SPEC.query_heads_per_kv_head
+    for position in range(cache.tokens_seen, until):
+        held = cache.position[0]  # (Hkv, C) positions the new query can see
+        attention = np.where(held >= 0, np.take_along_axis(IMPORTANCE, np.maximum(held, 0), axis=1), 0.0)
+        attention = np.repeat(attention, group, axis=0)[None, :, None, :]  # (1, Hq, 1, C)
+        chunk = np.repeat(IMPORTANCE[:, position], group)[None, :, None, None]  # (1, Hq, 1, 1)
+        key = np.full((1, 2, 1, 4), position, np.float32)
+        cache.append(key, key, attention.astype(np.float32), chunk.astype(np.float32))
+
+
+def evicted(cache: SlotCache) -> list[set[int]]:
+    return [set(range(cache.tokens_seen)) - set(cache.position[0, head, : cache.length].tolist()) for head in range(2)]
+
+
+def new_cache(name: str, budget: int | None = BUDGET) -> SlotCache:
+    return SlotCache(SPEC, make_policy(name, **OPTIONS), budget=None if name == "full" else budget)
+
+
+def test_every_policy_has_a_constructed_case():
+    assert set(EXPECTED_EVICTIONS) == set(POLICIES)
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_constructed_eviction(name):
+    cache = new_cache(name)
+    feed_constructed(cache, 6)
+    assert evicted(cache) == [set(), set()]
+    feed_constructed(cache, 7)  # token 6 arrives in a full cache
+    expected = EXPECTED_EVICTIONS[name]
+    if expected == "seeded":
+        again = new_cache(name)
+        feed_constructed(again, 7)
+        assert evicted(cache) == evicted(again) and all(len(head) == 1 for head in evicted(cache))
+    else:
+        assert evicted(cache) == [set() if position is None else {position} for position in expected]
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+@pytest.mark.parametrize("chunk", [1, 5])
+def test_promises_hold_and_size_stays_constant(name, chunk):
+    """Random attention, a long stream: size constant, sinks/window kept where the policy says so."""
+    rng = np.random.default_rng(0)
+    cache = new_cache(name, budget=8)
+    policy = cache.policy
+    sinks, window = policy.protected_counts(8)
+    sizes = set()
+    while cache.tokens_seen < 80:
+        t, c = chunk, cache.capacity
+        positions = np.arange(cache.tokens_seen, cache.tokens_seen + t, dtype=np.float32)
+        key = np.broadcast_to(positions[None, None, :, None], (1, 2, t, 4)).copy()
+        cache.append(key, key, rng.random((1, 4, t, c), dtype=np.float32), np.tril(rng.random((1, 4, t, t), dtype=np.float32)))
+        held = [set(cache.position[0, head, : cache.length].tolist()) for head in range(2)]
+        for head in range(2):
+            np.testing.assert_array_equal(cache.key[0, head, : cache.length, 0], cache.position[0, head, : cache.length])
+            assert set(range(min(sinks, cache.tokens_seen))) <= held[head], "a sink was evicted"
+            assert set(range(max(cache.tokens_seen - window, 0), cache.tokens_seen)) <= held[head], "window evicted"
+        if cache.tokens_seen >= 8:
+            sizes.add((cache.length, cache.capacity, cache.nbytes))
+    if policy.evicts:
+        assert sizes == {(8, 8, 8 * SPEC.kv_bytes_per_token)}
+        assert (sinks, window) == (1 if policy.uses_sinks else 0, 2 if policy.uses_window else 0)
+    else:
+        assert cache.length == cache.tokens_seen == 80
+
+
+def test_streaming_keeps_exactly_sinks_and_the_most_recent():
+    cache = new_cache("streaming")
+    feed_constructed(cache, 7)
+    for head in range(2):
+        assert sorted(cache.position[0, head].tolist()) == [0, 2, 3, 4, 5, 6]
+
+
+def test_unknown_policy_and_scorer_name_the_registered_ones():
+    with pytest.raises(ValueError, match="registered: full, streaming"):
+        make_policy("lru")
+    with pytest.raises(ValueError, match="accumulated_attention"):
+        make_policy("kvpop", scorer="mlp")

@@ -57,4 +57,4 @@ test-e2e: setup  ## end-to-end tests only (real tritonserver, tritonclient HTTP 
 	$(PY) -m pytest -q -m server
 
 clean:  ## remove exported artifacts and run files (keeps .venv)
-	rm -rf run model_repository/kvpop_service/1/{decoder_step.onnx,decoder_step.onnx.data,model_spec.json,export_report.json,tokenizer}
+	rm -rf run model_repository/kvpop_engine/1/{decoder_step.onnx,decoder_step.onnx.data,model_spec.json,export_report.json,tokenizer}

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_OUTPUT = REPO_ROOT / "model_repository" / "kvpop_service" / "1"
+DEFAULT_OUTPUT = REPO_ROOT / "model_repository" / "kvpop_engine" / "1"
 REFERENCE_MODEL = REPO_ROOT / "models" / "reference"
 
 

@@ -10,7 +10,8 @@ import pytest
 from kvpop.serving.config import ServiceConfig
 from kvpop.serving.launcher import choose_model_config
 
-SERVICE = Path(__file__).resolve().parents[1] / "model_repository" / "kvpop_service"
+REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"
+SERVICE = REPOSITORY / "kvpop_engine"
 INSTANCE_GROUP = re.compile(r"instance_group \[.*?\n\]", re.S)
 
 
@@ -21,7 +22,8 @@ def body(path: Path) -> str:
 
 def test_production_config_runs_one_instance_per_gpu_on_two_gpus():
     text = (SERVICE / "config.pbtxt").read_text()
-    assert 'name: "kvpop_service"' in text and 'backend: "python"' in text
+    assert 'name: "kvpop_engine"' in text and 'backend: "python"' in text
+    assert "decoupled: true" in text
     assert re.search(r"count: 1 kind: KIND_GPU gpus: \[ 0, 1 \]", text)
     assert "dynamic_batching" in text and "preferred_batch_size" in text and "max_queue_delay_microseconds" in text
 
@@ -61,3 +63,13 @@ def test_service_config_reads_parameters():
 def test_service_config_rejects_bad_parameters(values, message):
     with pytest.raises(ValueError, match=message):
         ServiceConfig.from_model_config(parameters(**values))
+
+
+def test_front_end_model_forwards_the_same_inputs_and_outputs():
+    """kvpop_service (BLS, complete answers) and kvpop_engine (decoupled) share one I/O contract."""
+    tensor = re.compile(r'\{ name: "(\w+)" data_type: (\w+) dims: (\[[^\]]*\])')
+    engine = set(tensor.findall((SERVICE / "config.pbtxt").read_text()))
+    front = set(tensor.findall((REPOSITORY / "kvpop_service" / "config.pbtxt").read_text()))
+    assert engine - front == {("stream", "TYPE_BOOL", "[ 1 ]")}
+    assert front <= engine
+    assert "model_transaction_policy" not in (REPOSITORY / "kvpop_service" / "config.pbtxt").read_text()

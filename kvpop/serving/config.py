@@ -17,17 +17,22 @@ class ServiceConfig:
     max_prompt_tokens: int = 4096  # longer prompts are rejected with an invalid-argument error
     max_output_tokens: int = 1024  # upper bound for a request's max_tokens
     default_max_tokens: int = 64
-    max_batch_size: int = 8  # sequences decoded together in one step
+    max_running_sequences: int = 16  # sequences decoded together in one engine step (in-flight batch)
     prefill_chunk_tokens: int = 256  # prompt tokens fed per prefill step
     ort_threads: int = 0  # onnxruntime intra-op threads (0: onnxruntime's default)
+    kv_pool_mb: int = 1024  # KV memory per instance for all running sequences (admission control)
+    min_kv_budget: int = 64  # when the pool is tight, bounded requests may be degraded down to this
+    max_queue_size: int = 64  # requests waiting for KV memory; beyond this they are rejected (overloaded)
 
     def __post_init__(self) -> None:
         for name in ("default_kv_budget", "max_prompt_tokens", "max_output_tokens", "default_max_tokens",
-                     "max_batch_size", "prefill_chunk_tokens"):
+                     "max_running_sequences", "prefill_chunk_tokens", "kv_pool_mb", "min_kv_budget"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"parameter {name} must be > 0, got {getattr(self, name)}")
-        if self.ort_threads < 0:
-            raise ValueError(f"parameter ort_threads must be >= 0, got {self.ort_threads}")
+        if self.ort_threads < 0 or self.max_queue_size < 0:
+            raise ValueError(f"parameters ort_threads and max_queue_size must be >= 0, got {self.ort_threads}, {self.max_queue_size}")
+        if self.min_kv_budget > self.default_kv_budget:
+            raise ValueError(f"parameter min_kv_budget ({self.min_kv_budget}) exceeds default_kv_budget ({self.default_kv_budget})")
         if self.default_max_tokens > self.max_output_tokens:
             raise ValueError(
                 f"parameter default_max_tokens ({self.default_max_tokens}) exceeds max_output_tokens "
@@ -53,6 +58,4 @@ class ServiceConfig:
                 values[name] = kind(text) if kind is not str else text
             except ValueError:
                 raise ValueError(f"parameter {name} must be {kind.__name__}, got {text!r}") from None
-        if "max_batch_size" not in values and model_config.get("max_batch_size"):
-            values["max_batch_size"] = int(model_config["max_batch_size"])
         return cls(**values)

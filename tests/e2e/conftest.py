@@ -6,6 +6,7 @@ a freshly exported tiny Llama, so the tests never touch (or depend on) `make exp
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -14,15 +15,22 @@ import pytest
 from kvpop.serving.launcher import TritonServer, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SERVICE_DIR = REPO_ROOT / "model_repository" / "kvpop_service"
+MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 
 
-def build_model_repository(root: Path, exported_model: Path) -> Path:
-    service = root / "kvpop_service"
-    shutil.copytree(SERVICE_DIR, service, ignore=shutil.ignore_patterns("__pycache__", "1"))
-    version = service / "1"
-    shutil.copytree(exported_model, version)
-    shutil.copy2(SERVICE_DIR / "1" / "model.py", version / "model.py")
+def build_model_repository(root: Path, exported_model: Path, engine_parameters: dict[str, str] | None = None) -> Path:
+    """The committed models (configs and model.py files) with the exported model in kvpop_engine/1."""
+    shutil.copytree(MODEL_REPOSITORY, root, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+    version = root / "kvpop_engine" / "1"
+    shutil.copytree(exported_model, version, dirs_exist_ok=True)
+    for config in [root / "kvpop_engine" / "config.pbtxt", *(root / "kvpop_engine" / "configs").glob("*.pbtxt")]:
+        text = config.read_text()
+        for key, value in (engine_parameters or {}).items():
+            text, count = re.subn(
+                rf'(key: "{key}" value: {{ string_value: )"[^"]*"', rf'\1"{value}"', text
+            )
+            assert count == 1, f"parameter {key} not in {config}"
+        config.write_text(text)
     return root
 
 

@@ -1,77 +1,60 @@
-"""Triton Python-backend adapter for KVpop: lifecycle and Triton types only.
+"""kvpop_service: one complete answer per request, for HTTP /infer and /generate.
 
-Parsing, generation and response building live in `kvpop.serving`; see that package.
+HTTP /infer cannot reach a decoupled model, so each request is forwarded through BLS to the
+decoupled `kvpop_engine` (the one place that holds weights and KV memory) and its final response is
+returned. `async def execute` lets one batch's requests wait on the engine concurrently, so the
+engine batches them in flight together.
 """
 
+import asyncio
 import json
-from pathlib import Path
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
-
-from kvpop.serving.config import ServiceConfig
-from kvpop.serving.request import InvalidRequestError, parse_parameters
-from kvpop.serving.service import KVpopService, Placement
 
 
 class TritonPythonModel:
     def initialize(self, args):
         model_config = json.loads(args["model_config"])
-        version_dir = Path(args["model_repository"]) / args["model_version"]
+        parameters = model_config.get("parameters") or {}
+        self.engine_model = parameters.get("engine_model", {}).get("string_value", "kvpop_engine")
+        self.input_names = [tensor["name"] for tensor in model_config["input"]]
+        self.output_names = [tensor["name"] for tensor in model_config["output"]]
+
+    async def execute(self, requests):
+        return await asyncio.gather(*(self._forward(request) for request in requests))
+
+    async def _forward(self, request):
+        inputs = [
+            tensor
+            for tensor in (pb_utils.get_input_tensor_by_name(request, name) for name in self.input_names)
+            if tensor is not None
+        ]
+        engine_request = pb_utils.InferenceRequest(
+            model_name=self.engine_model,
+            inputs=inputs,
+            requested_output_names=self.output_names,
+            parameters=_forwardable(json.loads(request.parameters() or "{}")),
+        )
+        final = None
         try:
-            config = ServiceConfig.from_model_config(model_config)
-        except ValueError as error:
-            raise pb_utils.TritonModelException(f"kvpop_service config.pbtxt: {error}") from None
-        if not (version_dir / "model_spec.json").exists():
-            raise pb_utils.TritonModelException(f"no exported model in {version_dir}: run `make export`")
-        self.service = KVpopService(version_dir, config, Placement.from_triton_args(args))
-        self.output_dtypes = {
-            output["name"]: pb_utils.triton_string_to_numpy(output["data_type"]) for output in model_config["output"]
-        }
-
-    def execute(self, requests):
-        parsed, responses = {}, [None] * len(requests)
-        for index, request in enumerate(requests):
-            try:
-                parsed[index] = self.service.parse(
-                    request.request_id() or f"request-{index}",
-                    lambda name, request=request: _input_array(request, name),
-                    parse_parameters(request.parameters()),
-                )
-            except InvalidRequestError as error:
-                responses[index] = _error_response(str(error), pb_utils.TritonError.INVALID_ARG)
-        if parsed:
-            try:
-                results = self.service.generate(list(parsed.values()))
-            except Exception as error:  # an engine failure fails this batch, not the server
-                results = None
-                message = f"generation failed: {type(error).__name__}: {error}"
-            for position, index in enumerate(parsed):
-                if results is None:
-                    responses[index] = _error_response(message, pb_utils.TritonError.INTERNAL)
-                    continue
-                tensors = self.service.response_tensors(results[position])
-                responses[index] = pb_utils.InferenceResponse(
-                    output_tensors=[
-                        pb_utils.Tensor(name, value.astype(self.output_dtypes[name], copy=False))
-                        for name, value in tensors.items()
-                        if name in self.output_dtypes
-                    ]
-                )
-        return responses
-
-    def finalize(self):
-        self.service = None
+            for response in await engine_request.async_exec(decoupled=True):
+                if response.has_error():
+                    return pb_utils.InferenceResponse(error=response.error())
+                if response.output_tensors():
+                    final = response
+        except Exception as error:
+            return pb_utils.InferenceResponse(
+                error=pb_utils.TritonError(f"{self.engine_model} failed: {error}", pb_utils.TritonError.INTERNAL)
+            )
+        if final is None:
+            return pb_utils.InferenceResponse(
+                error=pb_utils.TritonError(f"{self.engine_model} sent no answer", pb_utils.TritonError.INTERNAL)
+            )
+        return pb_utils.InferenceResponse(output_tensors=final.output_tensors())
 
 
-def _input_array(request, name):
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    if tensor is None:
-        return None
-    array = tensor.as_numpy()
-    # Inputs carry Triton's batch dimension of 1 (max_batch_size > 0); drop it.
-    return array[0] if array.ndim > 1 and array.shape[0] == 1 else np.asarray(array).reshape(-1)
-
-
-def _error_response(message, code):
-    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message, code))
+def _forwardable(parameters):
+    """Request parameters BLS can carry (strings, integers, booleans); the engine validates them."""
+    if not isinstance(parameters, dict):
+        return {}
+    return {key: value for key, value in parameters.items() if isinstance(value, (str, int, bool))}

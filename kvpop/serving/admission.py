@@ -1,0 +1,100 @@
+"""Admission by KV memory: every bounded sequence's cache size is known before it starts.
+
+The running sequences share one batch pool of shape (L, B, Hkv, S, D) whose slot count S is the
+largest cache among them, so the memory a set of sequences needs is B x max(slots) x bytes/slot.
+A request is admitted while that padded size, with the request included, stays within the
+instance's KV pool. When it does not fit, a bounded request is admitted at a smaller budget if that
+is still >= the configured floor (graceful degradation, reported back); otherwise it waits in a FIFO
+queue, and past the queue limit it is rejected as overloaded. Admission reserves each sequence's
+worst case (full budget, or prompt + max_tokens for the full cache), so the engine cannot outgrow
+the pool however many requests arrive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from kvpop.engine import GenerationRequest
+from kvpop.model_spec import ModelSpec
+
+GROWTH_BLOCK = 64  # the slot cache grows its storage in blocks of this many slots
+
+
+class OverloadedError(RuntimeError):
+    """The queue is full: the client should retry later."""
+
+
+@dataclass(frozen=True)
+class AdmissionPolicy:
+    kv_pool_bytes: int  # KV bytes this instance may hold for all its running sequences
+    min_kv_budget: int  # never degrade a request below this many slots per head
+    max_queue_size: int  # requests allowed to wait; more are rejected as overloaded
+
+    def __post_init__(self) -> None:
+        if self.kv_pool_bytes <= 0 or self.min_kv_budget <= 0 or self.max_queue_size < 0:
+            raise ValueError(f"invalid admission policy {self}")
+
+
+@dataclass(frozen=True)
+class Admission:
+    request: GenerationRequest  # possibly with a reduced budget
+    slots: int  # slots per head reserved
+    degraded_from: int | None = None  # the budget asked for, when it was reduced
+
+
+def _round_up(slots: int) -> int:
+    return -(-slots // GROWTH_BLOCK) * GROWTH_BLOCK
+
+
+class KVPoolAdmission:
+    """Reserves pool memory per running request. Used by the one engine worker thread only."""
+
+    def __init__(self, policy: AdmissionPolicy, spec: ModelSpec) -> None:
+        self.policy = policy
+        self.bytes_per_slot = spec.kv_bytes_per_token  # one slot in every layer and KV head
+        self._running: dict[str, int] = {}  # request id -> reserved slots per head
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self._pool_bytes(list(self._running.values()))
+
+    def _pool_bytes(self, slots: list[int]) -> int:
+        return len(slots) * max(slots, default=0) * self.bytes_per_slot
+
+    @staticmethod
+    def slots_needed(request: GenerationRequest) -> int:
+        budget = request.cache.resolve_budget(len(request.prompt_ids), request.sampling.max_tokens)
+        if budget is None:  # the full cache holds every token it sees
+            budget = len(request.prompt_ids) + request.sampling.max_tokens
+        return _round_up(budget)
+
+    def _fits(self, slots: int) -> bool:
+        return self._pool_bytes([*self._running.values(), slots]) <= self.policy.kv_pool_bytes
+
+    def fits_when_idle(self, request: GenerationRequest) -> bool:
+        """Whether the request could ever run here (alone, degraded if allowed)."""
+        slots = self.slots_needed(request)
+        if request.cache.policy != "full":
+            slots = min(slots, _round_up(self.policy.min_kv_budget))
+        return slots * self.bytes_per_slot <= self.policy.kv_pool_bytes
+
+    def try_admit(self, request: GenerationRequest) -> Admission | None:
+        """Reserve memory for `request` now, degrading its budget if needed; None if it must wait."""
+        slots = self.slots_needed(request)
+        if self._fits(slots):
+            self._running[request.request_id] = slots
+            return Admission(request, slots)
+        if request.cache.policy == "full":
+            return None
+        asked = request.cache.resolve_budget(len(request.prompt_ids), request.sampling.max_tokens)
+        budget = (min(asked, slots) // GROWTH_BLOCK) * GROWTH_BLOCK
+        while budget >= self.policy.min_kv_budget and not self._fits(_round_up(budget)):
+            budget -= GROWTH_BLOCK
+        if budget < max(self.policy.min_kv_budget, 1):
+            return None
+        degraded = replace(request, cache=replace(request.cache, budget=budget, compression=None))
+        self._running[request.request_id] = _round_up(budget)
+        return Admission(degraded, _round_up(budget), degraded_from=asked)
+
+    def release(self, request_id: str) -> None:
+        self._running.pop(request_id, None)

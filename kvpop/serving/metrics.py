@@ -1,0 +1,94 @@
+"""Prometheus metrics of one engine instance, exported on Triton's metrics port.
+
+Built on `pb_utils.MetricFamily`; the module is passed in so this file does not import Triton and the
+worker can run without metrics (`NullMetrics`) in unit tests and offline tools.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+TOKEN_LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]
+BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64]
+COMPRESSION_BUCKETS = [0.0, 0.25, 0.5, 0.75, 0.875, 0.9375, 0.97, 0.99]
+FINISH_REASONS = ("stop", "length", "cancelled")
+
+
+class NullMetrics:
+    """Metrics that go nowhere (no Triton process to export them)."""
+
+    def __getattr__(self, name: str):
+        return lambda *args, **kwargs: None
+
+
+class ServiceMetrics:
+    def __init__(self, pb_utils: Any, model: str, instance: str, kv_capacity_bytes: int, policies: list[str]) -> None:
+        labels = {"model": model, "instance": instance}
+        # A MetricFamily must outlive its metrics: keep every family for the life of this object.
+        self._families: list[Any] = []
+
+        def family(name: str, description: str, kind: str):
+            metric_family = pb_utils.MetricFamily(name=name, description=description, kind=getattr(pb_utils.MetricFamily, kind))
+            self._families.append(metric_family)
+            return metric_family
+
+        def gauge(name: str, description: str):
+            return family(name, description, "GAUGE").Metric(labels=labels)
+
+        def counter(name: str, description: str):
+            return family(name, description, "COUNTER")
+
+        def histogram(name: str, description: str, buckets: list[float]):
+            return family(name, description, "HISTOGRAM").Metric(labels=labels, buckets=buckets)
+
+        self.kv_bytes_in_use = gauge("kvpop_kv_bytes_in_use", "KV cache bytes held by running sequences")
+        self.kv_bytes_reserved = gauge("kvpop_kv_bytes_reserved", "KV pool bytes reserved by admission")
+        self.kv_bytes_capacity = gauge("kvpop_kv_bytes_capacity", "KV pool size of this instance in bytes")
+        self.active = gauge("kvpop_active_sequences", "sequences in the running decode batch")
+        self.queued = gauge("kvpop_queued_sequences", "requests waiting for KV memory")
+        prompt = counter("kvpop_prompt_tokens_total", "prompt tokens processed")
+        generated = counter("kvpop_generated_tokens_total", "tokens generated")
+        self.prompt_tokens = prompt.Metric(labels=labels)
+        self.generated_tokens = generated.Metric(labels=labels)
+        evicted = counter("kvpop_evicted_tokens_total", "tokens evicted from the cache (per head), by policy")
+        self.evicted = {policy: evicted.Metric(labels={**labels, "policy": policy}) for policy in policies}
+        requests = counter("kvpop_requests_total", "finished requests by finish reason")
+        self.requests = {reason: requests.Metric(labels={**labels, "finish_reason": reason}) for reason in FINISH_REASONS}
+        rejected = counter("kvpop_rejected_requests_total", "requests refused, by reason")
+        self.rejected = {reason: rejected.Metric(labels={**labels, "reason": reason}) for reason in ("overloaded", "invalid", "internal")}
+        self.degraded = counter("kvpop_degraded_requests_total", "requests admitted at a reduced KV budget").Metric(labels=labels)
+        self.compression = histogram("kvpop_compression_ratio", "achieved compression per request (1 - cached/seen)", COMPRESSION_BUCKETS)
+        self.ttft = histogram("kvpop_time_to_first_token_seconds", "time from arrival to the first token", LATENCY_BUCKETS)
+        self.tpot = histogram("kvpop_time_per_output_token_seconds", "mean time per generated token after the first", TOKEN_LATENCY_BUCKETS)
+        self.latency = histogram("kvpop_request_latency_seconds", "time from arrival to the last token", LATENCY_BUCKETS)
+        self.batch_size = histogram("kvpop_batch_size", "sequences decoded together per engine step", BATCH_BUCKETS)
+        self.kv_bytes_capacity.set(kv_capacity_bytes)
+
+    def observe_step(self, batch_size: int, kv_bytes_in_use: int, kv_bytes_reserved: int, active: int, queued: int) -> None:
+        if batch_size:
+            self.batch_size.observe(batch_size)
+        self.kv_bytes_in_use.set(kv_bytes_in_use)
+        self.kv_bytes_reserved.set(kv_bytes_reserved)
+        self.active.set(active)
+        self.queued.set(queued)
+
+    def observe_first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def observe_finished(self, result, latency: float, time_per_token: float | None, prompt_tokens: int) -> None:
+        self.requests[result.finish_reason].increment(1)
+        self.prompt_tokens.increment(prompt_tokens)
+        self.generated_tokens.increment(len(result.output_ids))
+        if result.policy in self.evicted:
+            self.evicted[result.policy].increment(result.tokens_evicted)
+        self.compression.observe(result.compression)
+        self.latency.observe(latency)
+        if time_per_token is not None:
+            self.tpot.observe(time_per_token)
+
+    def observe_rejected(self, reason: str) -> None:
+        self.rejected[reason].increment(1)
+
+    def observe_degraded(self) -> None:
+        self.degraded.increment(1)

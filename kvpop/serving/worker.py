@@ -1,0 +1,255 @@
+"""The engine worker: one thread that drives the engine, in-flight batching every request it is given.
+
+Why a thread: Triton calls `execute` with whatever requests have arrived; a decoupled model returns
+at once and answers later through each request's response sender. The worker admits requests by KV
+memory, joins them to the running batch at the next step, streams tokens (or sends one final answer)
+as each step produces them, and frees a cancelled request's slots within one step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import numpy as np
+
+from kvpop.engine import NO_TOKEN, Engine, GenerationResult, TokenEvent
+from kvpop.serving.admission import Admission, KVPoolAdmission, OverloadedError
+from kvpop.serving.detokenizer import IncrementalDetokenizer
+from kvpop.serving.metrics import NullMetrics
+from kvpop.serving.request import InvalidRequestError, ParsedRequest
+
+
+class ResponseChannel(Protocol):
+    """Where one request's responses go (a Triton response sender in production)."""
+
+    def send(self, tensors: dict[str, np.ndarray], final: bool) -> None: ...
+
+    def send_error(self, message: str, kind: str) -> None:  # kind: "invalid" | "overloaded" | "internal"
+        ...
+
+    def is_cancelled(self) -> bool: ...
+
+
+def output_tensors(
+    text: str,
+    output_ids: list[int],
+    finish_reason: str | None,
+    num_input_tokens: int,
+    num_output_tokens: int,
+    result: GenerationResult | None = None,
+    kv_budget: int = 0,
+) -> dict[str, np.ndarray]:
+    """One response's tensors, each with Triton's leading batch dimension of 1.
+
+    Cache statistics are final only in the last response (zeros before it).
+    """
+    return {
+        "text_output": np.array([[text.encode("utf-8")]], dtype=np.object_),
+        "output_ids": np.array([output_ids], dtype=np.int64).reshape(1, -1),
+        "finish_reason": np.array([[(finish_reason or "").encode()]], dtype=np.object_),
+        "num_input_tokens": np.array([[num_input_tokens]], dtype=np.int32),
+        "num_output_tokens": np.array([[num_output_tokens]], dtype=np.int32),
+        "kv_budget": np.array([[result.budget if result else kv_budget]], dtype=np.int32),
+        "peak_kv_bytes": np.array([[result.peak_kv_bytes if result else 0]], dtype=np.int64),
+        "tokens_evicted": np.array([[result.tokens_evicted if result else 0]], dtype=np.int64),
+        "compression": np.array([[result.compression if result else 0.0]], dtype=np.float32),
+    }
+
+
+@dataclass
+class _Pending:
+    parsed: ParsedRequest
+    channel: ResponseChannel
+    arrived: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class _Active:
+    pending: _Pending
+    admission: Admission
+    detokenizer: IncrementalDetokenizer
+    first_token_at: float | None = None
+    cancel_sent: bool = False
+
+
+class EngineWorker:
+    def __init__(
+        self,
+        engine_factory: Callable[[], Engine],
+        tokenizer,
+        admission: KVPoolAdmission,
+        metrics=None,
+        idle_wait: float = 0.05,
+    ) -> None:
+        self._engine_factory = engine_factory
+        self.engine = engine_factory()
+        self.tokenizer = tokenizer
+        self.admission = admission
+        self.metrics = metrics or NullMetrics()
+        self._idle_wait = idle_wait
+        self._condition = threading.Condition()
+        self._queue: deque[_Pending] = deque()  # guarded by _condition
+        self._active: dict[str, _Active] = {}  # worker thread only
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="kvpop-engine", daemon=True)
+
+    # -- called from Triton's threads --------------------------------------------------------------
+    def start(self) -> "EngineWorker":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self._condition:
+            self._stopping = True
+            self._condition.notify_all()
+        self._thread.join(timeout)
+
+    def submit(self, parsed: ParsedRequest, channel: ResponseChannel) -> None:
+        """Queue a request. Raises OverloadedError past the queue limit, InvalidRequestError if it can
+        never fit this instance's KV pool."""
+        if not self.admission.fits_when_idle(parsed.generation):
+            raise InvalidRequestError(
+                f"request needs {self.admission.slots_needed(parsed.generation)} KV slots per head, more "
+                f"than this instance's KV pool holds; lower max_tokens or choose a bounded eviction_policy"
+            )
+        with self._condition:
+            if len(self._queue) >= self.admission.policy.max_queue_size:
+                raise OverloadedError(
+                    f"overloaded: {len(self._queue)} requests already waiting for KV memory; retry later"
+                )
+            self._queue.append(_Pending(parsed, channel))
+            self._condition.notify()
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def num_active(self) -> int:
+        return len(self._active)
+
+    # -- the worker thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._condition:
+                while not self._stopping and not self._queue and not self._active:
+                    self._condition.wait()
+                if self._stopping:
+                    break
+                admitted = self._admit_locked()
+            for active in admitted:
+                self._start(active)
+            self._apply_cancellations()
+            try:
+                events = self.engine.step()
+            except Exception as error:  # never take the server down: fail the running requests
+                self._fail_all(f"engine step failed: {type(error).__name__}: {error}")
+                continue
+            for event in events:
+                self._dispatch(event)
+            self.metrics.observe_step(
+                batch_size=self.engine.num_running + sum(1 for event in events if event.finished),
+                kv_bytes_in_use=self.engine.kv_bytes_in_use,
+                kv_bytes_reserved=self.admission.reserved_bytes,
+                active=len(self._active),
+                queued=len(self._queue),
+            )
+            if not events:
+                time.sleep(self._idle_wait)  # only requests waiting for KV memory: nothing to compute
+        for request_id in list(self._active):
+            self._finish_with_error(request_id, "the model is shutting down", "internal")
+
+    def _admit_locked(self) -> list[_Active]:
+        """Move queue-head requests that fit the KV pool into the engine (FIFO: no overtaking)."""
+        admitted = []
+        while self._queue:
+            pending = self._queue[0]
+            if pending.channel.is_cancelled():
+                self._queue.popleft()
+                try:
+                    prompt_tokens = len(pending.parsed.generation.prompt_ids)
+                    pending.channel.send(output_tensors("", [], "cancelled", prompt_tokens, 0), final=True)
+                except Exception:  # the client is gone
+                    pass
+                continue
+            admission = self.admission.try_admit(pending.parsed.generation)
+            if admission is None:
+                break
+            self._queue.popleft()
+            if admission.degraded_from is not None:
+                self.metrics.observe_degraded()
+            admitted.append(_Active(pending, admission, IncrementalDetokenizer(self.tokenizer)))
+        return admitted
+
+    def _start(self, active: _Active) -> None:
+        request = active.admission.request
+        try:
+            self.engine.add_request(request)
+        except ValueError as error:
+            self.admission.release(request.request_id)
+            self.metrics.observe_rejected("invalid")
+            active.pending.channel.send_error(str(error), "invalid")
+            return
+        self._active[request.request_id] = active
+
+    def _apply_cancellations(self) -> None:
+        for request_id, active in self._active.items():
+            if not active.cancel_sent and active.pending.channel.is_cancelled():
+                self.engine.cancel(request_id)
+                active.cancel_sent = True
+
+    def _dispatch(self, event: TokenEvent) -> None:
+        active = self._active.get(event.request_id)
+        if active is None:
+            return
+        now = time.perf_counter()
+        parsed = active.pending.parsed
+        delta = ""
+        if event.token_id != NO_TOKEN:
+            delta = active.detokenizer.push(event.token_id)
+            if active.first_token_at is None:
+                active.first_token_at = now
+                self.metrics.observe_first_token(now - active.pending.arrived)
+        if not event.finished:
+            if parsed.stream:
+                active.pending.channel.send(
+                    output_tensors(delta, [event.token_id], None, len(parsed.generation.prompt_ids),
+                                   len(active.detokenizer.token_ids), kv_budget=active.admission.slots),
+                    final=False,
+                )
+            return
+        del self._active[event.request_id]
+        self.admission.release(event.request_id)
+        result = self.engine.result(event.request_id)
+        tail = active.detokenizer.flush()
+        if parsed.stream:
+            ids = [event.token_id] if event.token_id != NO_TOKEN else []
+            tensors = output_tensors(delta + tail, ids, result.finish_reason, len(result.prompt_ids), len(result.output_ids), result)
+        else:
+            text = self.tokenizer.decode(result.output_ids, skip_special_tokens=True)
+            tensors = output_tensors(text, result.output_ids, result.finish_reason, len(result.prompt_ids), len(result.output_ids), result)
+        generated = len(result.output_ids)
+        time_per_token = (now - active.first_token_at) / (generated - 1) if active.first_token_at and generated > 1 else None
+        self.metrics.observe_finished(result, now - active.pending.arrived, time_per_token, len(result.prompt_ids))
+        try:
+            active.pending.channel.send(tensors, final=True)
+        except Exception:  # the client went away; its slots are already free
+            pass
+
+    def _finish_with_error(self, request_id: str, message: str, kind: str) -> None:
+        active = self._active.pop(request_id)
+        self.admission.release(request_id)
+        self.metrics.observe_rejected(kind)
+        try:
+            active.pending.channel.send_error(message, kind)
+        except Exception:
+            pass
+
+    def _fail_all(self, message: str) -> None:
+        for request_id in list(self._active):
+            self._finish_with_error(request_id, message, "internal")
+        self.engine = self._engine_factory()

@@ -1,0 +1,108 @@
+"""Triton Python-backend adapter for the KVpop engine: lifecycle and Triton types only.
+
+Decoupled: `execute` parses and queues each request and returns at once; the engine worker thread
+(kvpop.serving.worker) answers through each request's response sender, token by token when the
+request asks to stream. Parsing, admission, batching and metrics live in `kvpop.serving`.
+"""
+
+import json
+from pathlib import Path
+
+import triton_python_backend_utils as pb_utils
+
+from kvpop.serving.admission import OverloadedError
+from kvpop.serving.config import ServiceConfig
+from kvpop.serving.metrics import ServiceMetrics
+from kvpop.serving.request import InvalidRequestError, parse_parameters
+from kvpop.serving.service import KVpopService, Placement
+
+
+def error_code(kind):
+    """Triton's error code for a worker error kind (pb_utils.TritonError exists only at run time)."""
+    codes = {
+        "invalid": pb_utils.TritonError.INVALID_ARG,
+        "overloaded": pb_utils.TritonError.UNAVAILABLE,
+        "internal": pb_utils.TritonError.INTERNAL,
+    }
+    return codes[kind]
+
+
+class TritonChannel:
+    """A request's response sender, as the engine worker's ResponseChannel."""
+
+    def __init__(self, request, output_dtypes):
+        self.request = request  # kept alive for is_cancelled()
+        self.sender = request.get_response_sender()
+        self.output_dtypes = output_dtypes
+
+    def send(self, tensors, final):
+        response = pb_utils.InferenceResponse(
+            output_tensors=[
+                pb_utils.Tensor(name, value.astype(self.output_dtypes[name], copy=False))
+                for name, value in tensors.items()
+            ]
+        )
+        self.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+
+    def send_error(self, message, kind):
+        response = pb_utils.InferenceResponse(error=pb_utils.TritonError(message, error_code(kind)))
+        self.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def is_cancelled(self):
+        return self.sender.is_cancelled() or self.request.is_cancelled()
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        model_config = json.loads(args["model_config"])
+        version_dir = Path(args["model_repository"]) / args["model_version"]
+        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+            raise pb_utils.TritonModelException("kvpop_engine must be decoupled (model_transaction_policy)")
+        try:
+            config = ServiceConfig.from_model_config(model_config)
+        except ValueError as error:
+            raise pb_utils.TritonModelException(f"{args['model_name']} config.pbtxt: {error}") from None
+        if not (version_dir / "model_spec.json").exists():
+            raise pb_utils.TritonModelException(f"no exported model in {version_dir}: run `make export`")
+        placement = Placement.from_triton_args(args)
+        metrics = ServiceMetrics(
+            pb_utils, args["model_name"], placement.label, config.kv_pool_mb * 2**20, KVpopService.policies()
+        )
+        self.service = KVpopService(version_dir, config, placement, metrics)
+        self.metrics = metrics
+        self.output_dtypes = {
+            output["name"]: pb_utils.triton_string_to_numpy(output["data_type"]) for output in model_config["output"]
+        }
+
+    def execute(self, requests):
+        for request in requests:
+            channel = TritonChannel(request, self.output_dtypes)
+            try:
+                self.service.submit(
+                    lambda name, request=request: _input_array(request, name),
+                    parse_parameters(request.parameters()),
+                    channel,
+                    client_request_id=request.request_id() or "",
+                )
+            except InvalidRequestError as error:
+                self.metrics.observe_rejected("invalid")
+                channel.send_error(str(error), "invalid")
+            except OverloadedError as error:
+                self.metrics.observe_rejected("overloaded")
+                channel.send_error(str(error), "overloaded")
+            except Exception as error:  # a bug must fail this request only
+                self.metrics.observe_rejected("internal")
+                channel.send_error(f"internal error: {type(error).__name__}: {error}", "internal")
+        return None
+
+    def finalize(self):
+        self.service.shutdown()
+
+
+def _input_array(request, name):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return None
+    array = tensor.as_numpy()
+    # Inputs carry Triton's batch dimension of 1 (max_batch_size > 0); drop it.
+    return array[0] if array.ndim > 1 else array.reshape(-1)

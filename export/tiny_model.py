@@ -47,7 +47,7 @@ def build_tiny_llama(output_dir: Path, seed: int = 0, num_layers: int = 2) -> Pa
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,  # grouped-query attention, as in real models
-        max_position_embeddings=4096,
+        max_position_embeddings=65536,  # long enough for streams that outlive a test's checks
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

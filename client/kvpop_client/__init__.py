@@ -2,7 +2,7 @@
 
 from kvpop_client.client import KVpopClient
 from kvpop_client.errors import KVpopClientError, KVpopServerError, ResponseValidationError
-from kvpop_client.types import FINISH_REASONS, Generation
+from kvpop_client.types import FINISH_REASONS, Generation, StreamChunk
 
 __all__ = [
     "FINISH_REASONS",
@@ -11,4 +11,5 @@ __all__ = [
     "KVpopClientError",
     "KVpopServerError",
     "ResponseValidationError",
+    "StreamChunk",
 ]

@@ -28,11 +28,19 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--policy", dest="eviction_policy")
     generate.add_argument("--kv-budget", type=int)
     generate.add_argument("--compression-ratio", type=float)
+    generate.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     generate.add_argument("--json", action="store_true", help="print the whole validated result as JSON")
+    metrics = commands.add_parser("metrics", help="print the kvpop_* Prometheus metrics")
+    metrics.add_argument("--metrics-url", default="http://localhost:8002/metrics")
     args = parser.parse_args(argv)
 
     try:
         with KVpopClient(args.url, args.protocol) as client:
+            if args.command == "metrics":
+                for name, value in sorted(client.metrics(args.metrics_url).items()):
+                    if name.startswith("kvpop_"):
+                        print(f"{name} {value:g}")
+                return 0
             if args.command == "health":
                 ready = client.is_ready()
                 print("ready" if ready else "not ready")
@@ -41,10 +49,18 @@ def main(argv: list[str] | None = None) -> int:
                 name: getattr(args, name)
                 for name in ("temperature", "top_p", "top_k", "seed", "eviction_policy", "kv_budget", "compression_ratio")
             }
+            if args.stream:
+                result = None
+                for chunk in client.stream(args.prompt, max_tokens=args.max_tokens, stop=args.stop, **options):
+                    if not args.json:
+                        print(chunk.text, end="", flush=True)
+                    result = chunk.result or result
+                print(json.dumps(asdict(result), indent=2) if args.json else "")
+                return 0
             result = client.generate(args.prompt, max_tokens=args.max_tokens, stop=args.stop, **options)
             print(json.dumps(asdict(result), indent=2) if args.json else result.text)
             return 0
-    except KVpopClientError as error:
+    except (KVpopClientError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
 

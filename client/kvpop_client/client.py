@@ -1,16 +1,28 @@
-"""`KVpopClient`: one object for HTTP and gRPC, built on the official tritonclient packages."""
+"""`KVpopClient`: one object for HTTP and gRPC, built on the official tritonclient packages.
+
+Complete answers go to `kvpop_service` (HTTP /infer works with it); token streams go to the decoupled
+`kvpop_engine`, over gRPC bidirectional streaming or HTTP server-sent events (`generate_stream`).
+"""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import json
+import queue
+import urllib.error
+import urllib.request
+import uuid
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from kvpop_client.errors import KVpopServerError
-from kvpop_client.types import Generation
+from kvpop_client.errors import KVpopServerError, ResponseValidationError
+from kvpop_client.types import Generation, StreamChunk, assemble_stream
 
-MODEL_NAME = "kvpop_service"
+SERVICE_MODEL = "kvpop_service"
+ENGINE_MODEL = "kvpop_engine"
 DEFAULT_URLS = {"http": "localhost:8000", "grpc": "localhost:8001"}
+STATISTICS = ("finish_reason", "num_input_tokens", "num_output_tokens", "kv_budget", "peak_kv_bytes",
+              "tokens_evicted", "compression")
 
 # Optional request inputs: name -> (Triton datatype, numpy dtype).
 OPTIONAL_INPUTS: dict[str, tuple[str, Any]] = {
@@ -19,6 +31,8 @@ OPTIONAL_INPUTS: dict[str, tuple[str, Any]] = {
     "top_p": ("FP32", np.float32),
     "top_k": ("INT32", np.int32),
     "seed": ("INT64", np.int64),
+    "stream": ("BOOL", np.bool_),
+    "ignore_eos": ("BOOL", np.bool_),
     "eviction_policy": ("BYTES", np.object_),
     "kv_budget": ("INT32", np.int32),
     "compression_ratio": ("FP32", np.float32),
@@ -26,15 +40,17 @@ OPTIONAL_INPUTS: dict[str, tuple[str, Any]] = {
 
 
 class KVpopClient:
-    """Send generation requests to `kvpop_service` over "http" or "grpc".
+    """Send generation requests over "http" or "grpc".
 
-    Every input gets Triton's leading batch dimension of 1 (the model batches dynamically).
+    Every input gets Triton's leading batch dimension of 1 (the models batch dynamically).
     """
 
-    def __init__(self, url: str | None = None, protocol: str = "http", model: str = MODEL_NAME, timeout: float = 300.0):
+    def __init__(self, url: str | None = None, protocol: str = "http", timeout: float = 300.0,
+                 service_model: str = SERVICE_MODEL, engine_model: str = ENGINE_MODEL):
         if protocol not in DEFAULT_URLS:
             raise ValueError(f"protocol must be 'http' or 'grpc', got {protocol!r}")
-        self.protocol, self.model, self.timeout = protocol, model, timeout
+        self.protocol, self.timeout = protocol, timeout
+        self.service_model, self.engine_model = service_model, engine_model
         self.url = url or DEFAULT_URLS[protocol]
         if protocol == "http":
             import tritonclient.http as triton
@@ -55,14 +71,27 @@ class KVpopClient:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
-    # Health -----------------------------------------------------------------------------------
+    # Health and metrics ------------------------------------------------------------------------
     def is_ready(self) -> bool:
         try:
-            return bool(self._client.is_server_ready() and self._client.is_model_ready(self.model))
+            return bool(self._client.is_server_ready() and self._client.is_model_ready(self.service_model)
+                        and self._client.is_model_ready(self.engine_model))
         except Exception:
             return False
 
-    # Generation -------------------------------------------------------------------------------
+    @staticmethod
+    def metrics(metrics_url: str = "http://localhost:8002/metrics") -> dict[str, float]:
+        """Prometheus samples from the metrics port: {'name{labels}': value}."""
+        with urllib.request.urlopen(metrics_url, timeout=10) as response:
+            text = response.read().decode()
+        samples = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                samples[name] = float(value)
+        return samples
+
+    # Generation --------------------------------------------------------------------------------
     def build_inputs(self, prompt: str | Sequence[int], stop: Sequence[str] = (), **options: Any) -> list:
         triton = self._triton
         if isinstance(prompt, str):
@@ -87,20 +116,125 @@ class KVpopClient:
             inputs[-1].set_data_from_numpy(array)
         return inputs
 
-    def generate(self, prompt: str | Sequence[int], max_tokens: int | None = None, stop: Sequence[str] = (), **options: Any) -> Generation:
-        """One complete answer. `options`: temperature, top_p, top_k, seed, eviction_policy, kv_budget,
-        compression_ratio."""
+    def generate(self, prompt: str | Sequence[int], max_tokens: int | None = None, stop: Sequence[str] = (),
+                 **options: Any) -> Generation:
+        """One complete answer. `options`: temperature, top_p, top_k, seed, ignore_eos, eviction_policy,
+        kv_budget, compression_ratio."""
         inputs = self.build_inputs(prompt, stop=stop, max_tokens=max_tokens, **options)
         try:
             if self.protocol == "http":
-                result = self._client.infer(self.model, inputs, timeout=int(self.timeout * 1e6))
+                result = self._client.infer(self.service_model, inputs, timeout=int(self.timeout * 1e6))
             else:
-                result = self._client.infer(self.model, inputs, client_timeout=self.timeout)
+                result = self._client.infer(self.service_model, inputs, client_timeout=self.timeout)
         except self._triton.InferenceServerException as error:
             raise KVpopServerError(error.message(), error.status()) from None
         return Generation.from_outputs(lambda name: _first(result.as_numpy(name)), max_tokens)
+
+    def stream(self, prompt: str | Sequence[int], max_tokens: int | None = None, stop: Sequence[str] = (),
+               **options: Any) -> Iterator[StreamChunk]:
+        """Yield text and tokens as they are generated; the last chunk carries the validated result.
+
+        Closing the iterator early cancels the request on the server (its KV slots are freed).
+        """
+        if self.protocol == "grpc":
+            yield from self._stream_grpc(prompt, max_tokens, stop, options)
+        else:
+            yield from self._stream_sse(prompt, max_tokens, stop, options)
+
+    def _stream_grpc(self, prompt, max_tokens, stop, options) -> Iterator[StreamChunk]:
+        # A tritonclient gRPC client carries one stream at a time: each stream gets its own channel,
+        # so one KVpopClient can stream from many threads at once.
+        responses: queue.Queue = queue.Queue()
+        inputs = self.build_inputs(prompt, stop=stop, max_tokens=max_tokens, stream=True, **options)
+        client = self._triton.InferenceServerClient(self.url)
+        client.start_stream(callback=lambda result, error: responses.put((result, error)), stream_timeout=self.timeout)
+        finished = False
+        try:
+            client.async_stream_infer(self.engine_model, inputs, request_id=uuid.uuid4().hex,
+                                      enable_empty_final_response=True)
+            chunks: list[StreamChunk] = []
+            while True:
+                result, error = responses.get(timeout=self.timeout)
+                if error is not None:
+                    raise KVpopServerError(error.message(), error.status())
+                response = result.get_response()
+                is_final = response.parameters["triton_final_response"].bool_param
+                if not response.outputs:  # the empty final response that closes the stream
+                    if is_final:
+                        break
+                    continue
+                values = {name: _first(result.as_numpy(name)) for name in ("text_output", "output_ids", *STATISTICS)}
+                chunk = _chunk(values, chunks, max_tokens)
+                chunks.append(chunk)
+                yield chunk
+                if chunk.result is not None:
+                    finished = True
+                if is_final:
+                    break
+        finally:
+            client.stop_stream(cancel_requests=not finished)  # an abandoned stream is cancelled on the server
+            client.close()
+
+    def _stream_sse(self, prompt, max_tokens, stop, options) -> Iterator[StreamChunk]:
+        if not isinstance(prompt, str):
+            raise TypeError("HTTP streaming (generate_stream) takes a text prompt; use protocol='grpc' for token ids")
+        body = {"text_input": prompt, "stream": True, **{k: v for k, v in options.items() if v is not None}}
+        if max_tokens is not None:
+            body["max_tokens"] = max_tokens
+        if stop:
+            body["stop"] = list(stop)
+        url = f"http://{self.url}/v2/models/{self.engine_model}/generate_stream"
+        request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        try:
+            response = urllib.request.urlopen(request, timeout=self.timeout)
+        except urllib.error.HTTPError as error:
+            raise KVpopServerError(_error_message(error.read()), str(error.code)) from None
+        chunks: list[StreamChunk] = []
+        with response:  # closing the connection early cancels the request
+            for raw in response:
+                line = raw.decode("utf-8").strip()
+                if not line.startswith("data:"):
+                    continue
+                event = json.loads(line[len("data:"):])
+                if "error" in event:
+                    raise KVpopServerError(event["error"])
+                ids = event.get("output_ids", [])
+                event["output_ids"] = np.array(ids if isinstance(ids, list) else [ids], dtype=np.int64)
+                event["text_output"] = np.array([event.get("text_output", "").encode()], dtype=np.object_)
+                chunk = _chunk(event, chunks, max_tokens)
+                chunks.append(chunk)
+                yield chunk
+                if chunk.result is not None:
+                    return
+
+
+def _chunk(values: dict, previous: list[StreamChunk], max_tokens: int | None) -> StreamChunk:
+    """Validate one streamed response and, when it is the last, assemble the whole result."""
+    raw_text = np.asarray(values["text_output"]).reshape(-1)
+    if raw_text.size != 1:
+        raise ResponseValidationError(f"text_output should hold one string, got {raw_text.size}")
+    text = raw_text[0].decode("utf-8") if isinstance(raw_text[0], bytes) else str(raw_text[0])
+    ids = np.asarray(values["output_ids"]).reshape(-1)
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ResponseValidationError(f"output_ids should be integers, got {ids.dtype}")
+    reason = np.asarray(values["finish_reason"]).reshape(-1)[0]
+    reason = (reason.decode() if isinstance(reason, bytes) else str(reason)) or None
+    chunk = StreamChunk(text, [int(token) for token in ids], reason)
+    if reason is None:
+        return chunk
+    final = {name: np.asarray(values[name]).reshape(-1)[0] for name in STATISTICS}
+    final["finish_reason"] = reason
+    result = assemble_stream([*previous, chunk], final, max_tokens)
+    return StreamChunk(chunk.text, chunk.token_ids, reason, result)
 
 
 def _first(array: np.ndarray | None) -> np.ndarray | None:
     """Drop the batch dimension of 1."""
     return None if array is None else array[0]
+
+
+def _error_message(body: bytes) -> str:
+    try:
+        return json.loads(body).get("error", body.decode(errors="replace"))
+    except ValueError:
+        return body.decode(errors="replace")

@@ -84,3 +84,30 @@ class Generation:
                 f"cache statistics out of range: compression {self.compression}, evicted {self.tokens_evicted}, "
                 f"peak bytes {self.peak_kv_bytes}"
             )
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """One streamed response: the newly completed text and tokens; `result` is set on the last one."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    result: Generation | None = None
+
+
+def assemble_stream(chunks: list[StreamChunk], final: dict, max_tokens: int | None) -> Generation:
+    """The complete, validated result of a stream: its chunks joined, statistics from the last one."""
+    generation = Generation(
+        text="".join(chunk.text for chunk in chunks),
+        output_ids=[token for chunk in chunks for token in chunk.token_ids],
+        finish_reason=str(final["finish_reason"]),
+        num_input_tokens=int(final["num_input_tokens"]),
+        num_output_tokens=int(final["num_output_tokens"]),
+        kv_budget=int(final["kv_budget"]),
+        peak_kv_bytes=int(final["peak_kv_bytes"]),
+        tokens_evicted=int(final["tokens_evicted"]),
+        compression=float(final["compression"]),
+    )
+    generation.validate(max_tokens)
+    return generation

@@ -8,6 +8,11 @@ is still >= the configured floor (graceful degradation, reported back); otherwis
 queue, and past the queue limit it is rejected as overloaded. Admission reserves each sequence's
 worst case (full budget, or prompt + max_tokens for the full cache), so the engine cannot outgrow
 the pool however many requests arrive.
+
+The engine frees a finished sequence's row only when it next repacks the batch pool, so a request
+is admitted only if it also fits beside the bytes the engine actually held after its last step.
+Repacking itself (when sequences join or leave) briefly holds the old and the new pool arrays
+together: give the instance that much headroom beyond kv_pool_mb.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ class KVPoolAdmission:
         self.policy = policy
         self.bytes_per_slot = spec.kv_bytes_per_token  # one slot in every layer and KV head
         self._running: dict[str, int] = {}  # request id -> reserved slots per head
+        self.engine_bytes = 0  # what the engine actually held after its last step
 
     @property
     def reserved_bytes(self) -> int:
@@ -68,8 +74,13 @@ class KVPoolAdmission:
             budget = len(request.prompt_ids) + request.sampling.max_tokens
         return _round_up(budget)
 
+    def observe_engine(self, bytes_in_use: int) -> None:
+        self.engine_bytes = bytes_in_use
+
     def _fits(self, slots: int) -> bool:
-        return self._pool_bytes([*self._running.values(), slots]) <= self.policy.kv_pool_bytes
+        capacity = self.policy.kv_pool_bytes
+        padded = self._pool_bytes([*self._running.values(), slots])
+        return padded <= capacity and self.engine_bytes + slots * self.bytes_per_slot <= capacity
 
     def fits_when_idle(self, request: GenerationRequest) -> bool:
         """Whether the request could ever run here (alone, degraded if allowed)."""

@@ -28,6 +28,7 @@ SCALAR_INPUTS: dict[str, type] = {
     "top_k": int,
     "seed": int,
     "stream": bool,
+    "ignore_eos": bool,  # generate exactly max_tokens (benchmarks, load tests)
     "eviction_policy": str,
     "kv_budget": int,
     "compression_ratio": float,
@@ -151,6 +152,7 @@ def parse_request(
             seed=values["seed"],
             max_tokens=max_tokens,
             stop=stop,
+            ignore_eos=bool(values["ignore_eos"]),
         )
         policy = values["eviction_policy"] or config.default_policy
         budget, compression = values["kv_budget"], values["compression_ratio"]

@@ -41,7 +41,6 @@ def output_tensors(
     num_input_tokens: int,
     num_output_tokens: int,
     result: GenerationResult | None = None,
-    kv_budget: int = 0,
 ) -> dict[str, np.ndarray]:
     """One response's tensors, each with Triton's leading batch dimension of 1.
 
@@ -53,7 +52,7 @@ def output_tensors(
         "finish_reason": np.array([[(finish_reason or "").encode()]], dtype=np.object_),
         "num_input_tokens": np.array([[num_input_tokens]], dtype=np.int32),
         "num_output_tokens": np.array([[num_output_tokens]], dtype=np.int32),
-        "kv_budget": np.array([[result.budget if result else kv_budget]], dtype=np.int32),
+        "kv_budget": np.array([[result.budget if result else 0]], dtype=np.int32),
         "peak_kv_bytes": np.array([[result.peak_kv_bytes if result else 0]], dtype=np.int64),
         "tokens_evicted": np.array([[result.tokens_evicted if result else 0]], dtype=np.int64),
         "compression": np.array([[result.compression if result else 0.0]], dtype=np.float32),
@@ -92,7 +91,10 @@ class EngineWorker:
         self.metrics = metrics or NullMetrics()
         self._idle_wait = idle_wait
         self._condition = threading.Condition()
-        self._queue: deque[_Pending] = deque()  # guarded by _condition
+        # Guarded by _condition: requests waiting for KV memory (FIFO), admitted ones not yet started,
+        # and the admission bookkeeping itself (Triton threads admit in `submit`).
+        self._queue: deque[_Pending] = deque()
+        self._ready: list[_Active] = []
         self._active: dict[str, _Active] = {}  # worker thread only
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="kvpop-engine", daemon=True)
@@ -109,19 +111,24 @@ class EngineWorker:
         self._thread.join(timeout)
 
     def submit(self, parsed: ParsedRequest, channel: ResponseChannel) -> None:
-        """Queue a request. Raises OverloadedError past the queue limit, InvalidRequestError if it can
-        never fit this instance's KV pool."""
+        """Admit a request now if the KV pool has room, else queue it. Raises OverloadedError when the
+        queue is full, InvalidRequestError if it can never fit this instance's KV pool."""
         if not self.admission.fits_when_idle(parsed.generation):
             raise InvalidRequestError(
                 f"request needs {self.admission.slots_needed(parsed.generation)} KV slots per head, more "
                 f"than this instance's KV pool holds; lower max_tokens or choose a bounded eviction_policy"
             )
+        pending = _Pending(parsed, channel)
         with self._condition:
-            if len(self._queue) >= self.admission.policy.max_queue_size:
+            admission = None if self._queue else self.admission.try_admit(parsed.generation)
+            if admission is not None:
+                self._ready.append(self._activate(pending, admission))
+            elif len(self._queue) >= self.admission.policy.max_queue_size:
                 raise OverloadedError(
                     f"overloaded: {len(self._queue)} requests already waiting for KV memory; retry later"
                 )
-            self._queue.append(_Pending(parsed, channel))
+            else:
+                self._queue.append(pending)
             self._condition.notify()
 
     @property
@@ -136,11 +143,12 @@ class EngineWorker:
     def _run(self) -> None:
         while True:
             with self._condition:
-                while not self._stopping and not self._queue and not self._active:
+                while not self._stopping and not self._queue and not self._ready and not self._active:
                     self._condition.wait()
                 if self._stopping:
                     break
-                admitted = self._admit_locked()
+                admitted = self._ready + self._admit_locked()
+                self._ready = []
             for active in admitted:
                 self._start(active)
             self._apply_cancellations()
@@ -151,12 +159,16 @@ class EngineWorker:
                 continue
             for event in events:
                 self._dispatch(event)
+            in_use = self.engine.kv_bytes_in_use
+            with self._condition:
+                self.admission.observe_engine(in_use)
+                reserved, queued = self.admission.reserved_bytes, len(self._queue)
             self.metrics.observe_step(
-                batch_size=self.engine.num_running + sum(1 for event in events if event.finished),
-                kv_bytes_in_use=self.engine.kv_bytes_in_use,
-                kv_bytes_reserved=self.admission.reserved_bytes,
+                batch_size=sum(1 for event in events if event.token_id != NO_TOKEN),  # sequences that got a token
+                kv_bytes_in_use=in_use,
+                kv_bytes_reserved=reserved,
                 active=len(self._active),
-                queued=len(self._queue),
+                queued=queued,
             )
             if not events:
                 time.sleep(self._idle_wait)  # only requests waiting for KV memory: nothing to compute
@@ -180,17 +192,24 @@ class EngineWorker:
             if admission is None:
                 break
             self._queue.popleft()
-            if admission.degraded_from is not None:
-                self.metrics.observe_degraded()
-            admitted.append(_Active(pending, admission, IncrementalDetokenizer(self.tokenizer)))
+            admitted.append(self._activate(pending, admission))
         return admitted
+
+    def _activate(self, pending: _Pending, admission: Admission) -> _Active:
+        if admission.degraded_from is not None:
+            self.metrics.observe_degraded()
+        return _Active(pending, admission, IncrementalDetokenizer(self.tokenizer))
+
+    def _release(self, request_id: str) -> None:
+        with self._condition:
+            self.admission.release(request_id)
 
     def _start(self, active: _Active) -> None:
         request = active.admission.request
         try:
             self.engine.add_request(request)
         except ValueError as error:
-            self.admission.release(request.request_id)
+            self._release(request.request_id)
             self.metrics.observe_rejected("invalid")
             active.pending.channel.send_error(str(error), "invalid")
             return
@@ -218,12 +237,12 @@ class EngineWorker:
             if parsed.stream:
                 active.pending.channel.send(
                     output_tensors(delta, [event.token_id], None, len(parsed.generation.prompt_ids),
-                                   len(active.detokenizer.token_ids), kv_budget=active.admission.slots),
+                                   len(active.detokenizer.token_ids)),
                     final=False,
                 )
             return
         del self._active[event.request_id]
-        self.admission.release(event.request_id)
+        self._release(event.request_id)
         result = self.engine.result(event.request_id)
         tail = active.detokenizer.flush()
         if parsed.stream:
@@ -242,7 +261,7 @@ class EngineWorker:
 
     def _finish_with_error(self, request_id: str, message: str, kind: str) -> None:
         active = self._active.pop(request_id)
-        self.admission.release(request_id)
+        self._release(request_id)
         self.metrics.observe_rejected(kind)
         try:
             active.pending.channel.send_error(message, kind)

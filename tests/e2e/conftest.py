@@ -34,10 +34,22 @@ def build_model_repository(root: Path, exported_model: Path, engine_parameters: 
     return root
 
 
+# Small limits so that admission, degradation and overload can be reached with a tiny model:
+# 1 MiB of KV pool is 2048 slots of the tiny model (512 bytes per slot, all layers and heads).
+TEST_ENGINE_PARAMETERS = {
+    "kv_pool_mb": "1",
+    "max_queue_size": "2",
+    "default_kv_budget": "128",
+    "min_kv_budget": "64",
+    "max_prompt_tokens": "512",
+    "max_output_tokens": "65536",
+}
+
+
 @pytest.fixture(scope="session")
 def triton_server(tmp_path_factory, tiny_onnx_model_dir):
     root = tmp_path_factory.mktemp("model_repository")
-    build_model_repository(root, tiny_onnx_model_dir)
+    build_model_repository(root, tiny_onnx_model_dir, TEST_ENGINE_PARAMETERS)
     log_file = tmp_path_factory.mktemp("logs") / "tritonserver.log"
     server = TritonServer(
         model_repository=root,
@@ -54,3 +66,40 @@ def triton_server(tmp_path_factory, tiny_onnx_model_dir):
     finally:
         if server.process is not None and server.process.returncode not in (0, None):
             print(log_file.read_text()[-5000:])
+
+
+@pytest.fixture(scope="session")
+def kvpop_http(triton_server):
+    from kvpop_client import KVpopClient
+
+    with KVpopClient(triton_server.http_url, "http") as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def kvpop_grpc(triton_server):
+    from kvpop_client import KVpopClient
+
+    with KVpopClient(triton_server.grpc_url, "grpc") as client:
+        yield client
+
+
+@pytest.fixture
+def metrics(triton_server):
+    """Read the server's Prometheus samples: all of them, or one metric summed over the label sets
+    that include the given labels, e.g. metrics("kvpop_requests_total", finish_reason="cancelled")."""
+    from kvpop_client import KVpopClient
+
+    def read(name: str | None = None, **labels: str):
+        samples = KVpopClient.metrics(triton_server.metrics_url)
+        if name is None:
+            return samples
+        total = 0.0
+        for key, value in samples.items():
+            metric, _, label_text = key.partition("{")
+            sample_labels = dict(re.findall(r'(\w+)="([^"]*)"', label_text))
+            if metric == name and all(sample_labels.get(k) == v for k, v in labels.items()):
+                total += value
+        return total
+
+    return read

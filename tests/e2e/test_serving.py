@@ -1,0 +1,157 @@
+"""Serving behaviour: policies, sampling, in-flight batching, admission, cancellation, metrics."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from kvpop.policies import POLICIES
+from kvpop_client import KVpopClient, KVpopServerError
+
+pytestmark = pytest.mark.server
+LONG_PROMPT = list(range(5, 45))  # 40 tokens
+
+
+def wait_for(predicate, timeout: float = 15.0) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_every_policy_bounds_the_cache(kvpop_grpc, policy):
+    bounded = policy != "full"
+    options = {"eviction_policy": policy, "kv_budget": 16 if bounded else None}
+    result = kvpop_grpc.generate(LONG_PROMPT, max_tokens=10, **options)
+    assert result.num_output_tokens == len(result.output_ids) > 0
+    seen = len(LONG_PROMPT) + result.num_output_tokens - 1  # the last token is never fed back
+    if bounded:
+        assert result.kv_budget == 16
+        assert result.tokens_evicted == seen - 16
+        assert result.compression == pytest.approx(1 - 16 / seen, abs=1e-6)
+    else:
+        assert result.tokens_evicted == 0 and result.compression == 0.0
+
+
+@pytest.mark.parametrize("policy", [name for name in POLICIES if name != "full"])
+def test_a_budget_larger_than_the_sequence_changes_nothing(kvpop_grpc, policy):
+    full = kvpop_grpc.generate(LONG_PROMPT, max_tokens=10)
+    roomy = kvpop_grpc.generate(LONG_PROMPT, max_tokens=10, eviction_policy=policy, kv_budget=256)
+    assert roomy.output_ids == full.output_ids and roomy.tokens_evicted == 0
+
+
+def test_compression_ratio_sets_the_budget(kvpop_http):
+    result = kvpop_http.generate(LONG_PROMPT, max_tokens=10, eviction_policy="streaming", compression_ratio=0.5)
+    assert result.kv_budget == 25  # ceil(0.5 * (40 + 10))
+
+
+def test_seeded_sampling_is_reproducible(kvpop_http, kvpop_grpc):
+    sampled = dict(max_tokens=16, temperature=1.0, top_p=0.95, top_k=50)
+    first = kvpop_http.generate("Let a = 7.", seed=1234, **sampled)
+    again = kvpop_grpc.generate("Let a = 7.", seed=1234, **sampled)
+    other = kvpop_http.generate("Let a = 7.", seed=99, **sampled)
+    assert first.output_ids == again.output_ids
+    assert other.output_ids != first.output_ids
+
+
+def test_concurrent_requests_are_decoded_together(kvpop_grpc, metrics):
+    steps_before = metrics("kvpop_batch_size_count")
+    sequences_before = metrics("kvpop_batch_size_sum")
+    prompts = [[5 + index, 17, 45, 99, 120, 7] for index in range(8)]
+    alone = [kvpop_grpc.generate(prompt, max_tokens=24).output_ids for prompt in prompts]
+    steps_alone = metrics("kvpop_batch_size_count") - steps_before
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda prompt: kvpop_grpc.generate(prompt, max_tokens=24).output_ids, prompts))
+    assert together == alone  # batching does not change greedy output
+    steps_together = metrics("kvpop_batch_size_count") - steps_before - steps_alone
+    sequences = metrics("kvpop_batch_size_sum") - sequences_before
+    assert steps_together < steps_alone / 2  # decoded together, not one after another
+    assert sequences == sum(map(len, alone)) + sum(map(len, together))  # each generated token once
+
+
+def test_cancelling_a_stream_frees_its_slots_within_a_step(kvpop_grpc, metrics):
+    cancelled_before = metrics("kvpop_requests_total", finish_reason="cancelled")
+    stream, _ = hold_kv_memory(kvpop_grpc, kv_budget=512)
+    next(stream)
+    assert metrics("kvpop_active_sequences") == 1
+    assert metrics("kvpop_kv_bytes_reserved") > 0
+    stream.close()  # stops the gRPC stream with cancel_requests=True
+    assert wait_for(lambda: metrics("kvpop_active_sequences") == 0 and metrics("kvpop_kv_bytes_reserved") == 0)
+    assert wait_for(lambda: metrics("kvpop_requests_total", finish_reason="cancelled") == cancelled_before + 1)
+
+
+def hold_kv_memory(client, kv_budget: int):
+    """Start a stream that runs for a minute unless cancelled; return it once it holds its slots.
+
+    The tiny model decodes ~1000 tokens a second, so only a long, bounded stream outlives a test's checks.
+    """
+    stream = client.stream(LONG_PROMPT, max_tokens=60_000, ignore_eos=True, eviction_policy="streaming",
+                           kv_budget=kv_budget)
+    return stream, next(stream)
+
+
+def test_overload_is_rejected_clearly_and_queued_requests_complete(triton_server, kvpop_grpc, metrics):
+    stream, _ = hold_kv_memory(kvpop_grpc, kv_budget=1100)  # 1152 of 2048 slots: no 1088-slot request fits
+    rejected_before = metrics("kvpop_rejected_requests_total", reason="overloaded")
+    outcomes = []
+
+    def big_request():
+        with KVpopClient(triton_server.http_url, "http") as client:  # HTTP clients are per thread
+            try:
+                outcomes.append(client.generate(LONG_PROMPT, max_tokens=1000))
+            except KVpopServerError as error:
+                outcomes.append(error)
+
+    threads = [threading.Thread(target=big_request) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    assert wait_for(lambda: len(outcomes) >= 4)  # 2 wait in the queue (max_queue_size 2), 4 are refused
+    refused = [outcome for outcome in outcomes if isinstance(outcome, KVpopServerError)]
+    assert len(refused) == 4 and all("overloaded" in str(error) for error in refused)
+    assert metrics("kvpop_queued_sequences") == 2
+    stream.close()  # frees the pool: the queued requests now run to completion
+    for thread in threads:
+        thread.join(120)
+    completed = [outcome for outcome in outcomes if not isinstance(outcome, KVpopServerError)]
+    assert len(completed) == 2 and all(result.num_output_tokens > 0 for result in completed)
+    assert metrics("kvpop_rejected_requests_total", reason="overloaded") == rejected_before + 4
+
+
+def test_tight_pool_degrades_the_budget_down_to_the_floor(kvpop_grpc):
+    stream, _ = hold_kv_memory(kvpop_grpc, kv_budget=512)
+    try:
+        result = kvpop_grpc.generate(LONG_PROMPT, max_tokens=8, eviction_policy="kvpop", kv_budget=1500)
+    finally:
+        stream.close()
+    assert result.kv_budget == 1024  # 2 sequences x 1024 slots fill the 2048-slot pool exactly
+
+
+def test_memory_stays_within_the_kv_pool_under_many_streams(kvpop_grpc, metrics):
+    capacity = metrics("kvpop_kv_bytes_capacity")
+    peak, done = [0.0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], metrics("kvpop_kv_bytes_in_use"), metrics("kvpop_kv_bytes_reserved"))
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        with ThreadPoolExecutor(12) as pool:
+            results = list(pool.map(
+                lambda index: [chunk for chunk in kvpop_grpc.stream([5 + index, *LONG_PROMPT], max_tokens=64,
+                                                                  eviction_policy="h2o", kv_budget=128)][-1].result,
+                range(12),
+            ))
+    finally:
+        done.set()
+        sampler.join()
+    assert all(result.finish_reason in ("length", "stop") for result in results)
+    assert 0 < peak[0] <= capacity

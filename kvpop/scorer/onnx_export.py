@@ -1,0 +1,161 @@
+"""Export a trained scorer to ONNX, its recurrent state as explicit inputs and outputs, and check parity.
+
+`python -m kvpop.scorer.onnx_export --scorers MODEL/scorer --out model_repository/kvpop_service/1`
+writes `scorer_<kind>.onnx` and `scorer_<kind>.json` (config, tensor names, state shapes, parity) for
+every `scorer_<kind>.pt` found. The runtime (kvpop.scorer.runtime) needs only those two files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from kvpop.scorer.network import KINDS, STATE_NAMES, Scorer, ScorerConfig, load_scorer
+
+TOKEN_INPUTS = ("new_key", "new_value", "leaving_key", "leaving_value")
+ATTENTION_INPUT = "leaving_attention"  # (L, Hkv, T), only with ScorerConfig.attention_feature
+PARITY_TOLERANCE = 1e-4
+
+
+def onnx_names(config: ScorerConfig) -> tuple[list[str], list[str]]:
+    """(input names, output names) of the exported step; state outputs are the inputs with `_out`."""
+    attention = [ATTENTION_INPUT] if config.attention_feature else []
+    if not config.stateful:
+        return ["leaving_key", "leaving_value", *attention], ["score"]
+    return [*TOKEN_INPUTS, *attention, *STATE_NAMES], ["score", *(f"{name}_out" for name in STATE_NAMES)]
+
+
+class _Step(nn.Module):
+    """Flat named arguments in `onnx_names` order: ONNX has neither tuples of state nor optional inputs."""
+
+    def __init__(self, scorer: Scorer) -> None:
+        super().__init__()
+        self.scorer = scorer
+        self.input_names = onnx_names(scorer.config)[0]
+
+    def forward(self, *inputs: torch.Tensor):
+        named = dict(zip(self.input_names, inputs))
+        leaving_key, leaving_value = named["leaving_key"], named["leaving_value"]
+        score, state = self.scorer(
+            named.get("new_key", leaving_key), named.get("new_value", leaving_value), leaving_key, leaving_value,
+            tuple(named[name] for name in STATE_NAMES if name in named), named.get(ATTENTION_INPUT),
+        )
+        return (score, *state) if state else score
+
+
+def example_inputs(scorer: Scorer, tokens: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random inputs on the scale of the traces (the fitted feature statistics), with a warm state."""
+    config = scorer.config
+    generator = torch.Generator().manual_seed(seed)
+    shape = (config.num_layers, config.num_kv_heads, tokens, config.head_dim)
+    mean = scorer.feature_mean.reshape(config.num_layers, config.num_kv_heads, 1, -1)
+    std = scorer.feature_std.reshape(config.num_layers, config.num_kv_heads, 1, -1)
+    dim = config.head_dim
+
+    def sample(part: slice) -> torch.Tensor:
+        return mean[..., part] + std[..., part] * torch.randn(shape, generator=generator)
+
+    inputs = {"new_key": sample(slice(0, dim)), "new_value": sample(slice(dim, 2 * dim))}
+    inputs["leaving_key"], inputs["leaving_value"] = sample(slice(0, dim)), sample(slice(dim, 2 * dim))
+    attention_mean = scorer.attention_mean.reshape(config.num_layers, config.num_kv_heads, 1)
+    attention_std = scorer.attention_std.reshape(config.num_layers, config.num_kv_heads, 1)
+    inputs[ATTENTION_INPUT] = attention_mean + attention_std * torch.randn(shape[:3], generator=generator)
+    if config.stateful:  # a state reached by running the network, not zeros, so parity covers it
+        warm = {k: sample(slice(0, dim)) if "key" in k else sample(slice(dim, 2 * dim)) for k in TOKEN_INPUTS}
+        with torch.no_grad():
+            _, state = scorer(*(warm[name] for name in TOKEN_INPUTS), scorer.initial_state(), inputs[ATTENTION_INPUT])
+        inputs.update(zip(STATE_NAMES, state))
+    names, _ = onnx_names(config)
+    return {name: inputs[name] for name in names}
+
+
+@dataclass
+class ScorerExport:
+    onnx_path: Path
+    spec_path: Path
+    max_abs_diff: float
+    passed: bool
+
+
+def export_scorer(scorer: Scorer, output_dir: Path, source: str = "") -> ScorerExport:
+    """Write scorer_<kind>.onnx and scorer_<kind>.json into `output_dir`; check onnxruntime vs torch."""
+    import onnxruntime as ort
+
+    config = scorer.config
+    scorer = scorer.float().eval()
+    wrapper = _Step(scorer)
+    input_names, output_names = onnx_names(config)
+    tokens = torch.export.Dim("tokens")
+    dynamic_shapes = ({2: tokens} if name in (*TOKEN_INPUTS, ATTENTION_INPUT) else None for name in input_names)
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    onnx_path = output_dir / f"scorer_{config.kind}.onnx"
+    example = example_inputs(scorer, tokens=3)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            wrapper, tuple(example.values()), dynamo=True, dynamic_shapes=(tuple(dynamic_shapes),),
+            input_names=input_names, output_names=output_names, optimize=True, verbose=False,
+        )
+    program.save(str(onnx_path), external_data=False)
+
+    session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    max_abs_diff = 0.0
+    for tokens_now, seed in ((1, 1), (5, 2), (64, 3)):  # decode step, short chunk, a full chunk
+        inputs = example_inputs(scorer, tokens_now, seed)
+        with torch.no_grad():
+            expected = wrapper(*inputs.values())
+        expected = expected if isinstance(expected, tuple) else (expected,)
+        got = session.run(output_names, {name: value.numpy() for name, value in inputs.items()})
+        for want, have in zip(expected, got):
+            max_abs_diff = max(max_abs_diff, float(np.abs(want.numpy() - have).max()))
+    passed = max_abs_diff <= PARITY_TOLERANCE
+    spec = {
+        "config": config.to_dict(),
+        "onnx_file": onnx_path.name,
+        "inputs": input_names,
+        "outputs": output_names,
+        "state_shapes": {name: list(shape) for name, shape in config.state_shapes().items()},
+        "parity": {"max_abs_diff": max_abs_diff, "tolerance": PARITY_TOLERANCE, "passed": passed},
+        "source": source,
+    }
+    spec_path = output_dir / f"scorer_{config.kind}.json"
+    spec_path.write_text(json.dumps(spec, indent=2) + "\n")
+    return ScorerExport(onnx_path, spec_path, max_abs_diff, passed)
+
+
+def export_scorers(scorer_dir: Path, output_dir: Path) -> list[ScorerExport]:
+    """Export every scorer_<kind>.pt in `scorer_dir` (what `make export` calls); [] when none."""
+    exports = []
+    for kind in KINDS:
+        checkpoint = Path(scorer_dir) / f"scorer_{kind}.pt"
+        if checkpoint.exists():
+            exports.append(export_scorer(load_scorer(checkpoint), output_dir, source=str(checkpoint)))
+    return exports
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvpop.scorer.onnx_export", description=__doc__.splitlines()[0])
+    parser.add_argument("--scorers", type=Path, required=True, help="directory with scorer_<kind>.pt (train output)")
+    parser.add_argument("--out", type=Path, required=True, help="model version directory to write into")
+    args = parser.parse_args(argv)
+    exports = export_scorers(args.scorers, args.out)
+    if not exports:
+        print(f"[export-scorer] no scorer_<kind>.pt in {args.scorers}", file=sys.stderr)
+        return 1
+    for export in exports:
+        print(f"[export-scorer] {export.onnx_path} parity max |diff| {export.max_abs_diff:.2e} "
+              f"({'ok' if export.passed else 'FAILED'})")
+    return 0 if all(export.passed for export in exports) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,202 @@
+"""The learned scorer at serve time: the exported ONNX step run by onnxruntime (no torch).
+
+`ScorerRuntime` owns the session and is shared by every sequence; each sequence's recurrent state is
+a `ScorerState` that the kvpop policy keeps in the slot cache (`cache.policy_state`), so saving and
+restoring a cache saves and restores its scorer too. `LearnedScorer` adapts the runtime to the
+kvpop policy's `TokenScorer` interface.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from kvpop.policies.scorers import LeavingTokens, TokenScorer
+
+MAX_CHUNK = 64  # rows per ONNX call: the chunk's (T x T) intra-chunk weights stay small in a prefill
+
+
+@dataclass(frozen=True)
+class ScorerSpec:
+    """What export wrote beside the ONNX file (scorer_<kind>.json)."""
+
+    kind: str
+    window: int  # the protected window the scorer was trained for
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    attention_feature: bool  # the step also takes the leaving tokens' log relative in-window attention
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    state_shapes: dict[str, tuple[int, ...]]
+    onnx_file: str
+
+    @classmethod
+    def load(cls, path: Path) -> "ScorerSpec":
+        data = json.loads(Path(path).read_text())
+        config = data["config"]
+        return cls(
+            kind=config["kind"], window=config["window"], num_layers=config["num_layers"],
+            num_kv_heads=config["num_kv_heads"], head_dim=config["head_dim"],
+            attention_feature=config.get("attention_feature", False),
+            inputs=tuple(data["inputs"]), outputs=tuple(data["outputs"]),
+            state_shapes={name: tuple(shape) for name, shape in data["state_shapes"].items()},
+            onnx_file=data["onnx_file"],
+        )
+
+
+@dataclass
+class ScorerState:
+    """One sequence's scorer state: the recurrent memory, and the tokens not yet taken into it."""
+
+    recurrent: dict[str, np.ndarray]  # state name -> (L, Hkv, ...) float32; empty when stateless
+    pending_key: np.ndarray  # (L, Hkv, P, D) tokens of the last append, consumed at the next score
+    pending_value: np.ndarray  # (L, Hkv, P, D)
+
+    def copy(self) -> "ScorerState":
+        return ScorerState(
+            {name: array.copy() for name, array in self.recurrent.items()},
+            self.pending_key.copy(), self.pending_value.copy()
+        )
+
+
+class ScorerRuntime:
+    """The exported scorer of one kind (`scorer_<kind>.onnx` + `.json` in `directory`)."""
+
+    def __init__(self, directory: Path, kind: str = "mlstm", threads: int | None = None) -> None:
+        self.spec = ScorerSpec.load(Path(directory) / f"scorer_{kind}.json")
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads or int(os.environ.get("KVPOP_SCORER_THREADS", "1"))
+        self.session = ort.InferenceSession(
+            str(Path(directory) / self.spec.onnx_file), sess_options=options, providers=["CPUExecutionProvider"]
+        )
+
+    @staticmethod
+    def available(directory: Path) -> list[str]:
+        """Kinds exported into `directory` (what the engine may offer as kvpop scorers)."""
+        return sorted(path.stem.removeprefix("scorer_") for path in Path(directory).glob("scorer_*.json"))
+
+    def initial_state(self) -> ScorerState:
+        spec = self.spec
+        empty = np.zeros((spec.num_layers, spec.num_kv_heads, 0, spec.head_dim), np.float32)
+        recurrent = {name: np.zeros(shape, np.float32) for name, shape in spec.state_shapes.items()}
+        return ScorerState(recurrent, empty, empty.copy())
+
+    def step(
+        self,
+        recurrent: dict[str, np.ndarray],  # state name -> (L, Hkv, ...)
+        new_key: np.ndarray,  # (L, Hkv, T, D) RoPE applied
+        new_value: np.ndarray,  # (L, Hkv, T, D)
+        leaving_key: np.ndarray,  # (L, Hkv, T, D): row t leaves the window when new token t arrives
+        leaving_value: np.ndarray,  # (L, Hkv, T, D)
+        leaving_attention: np.ndarray | None = None,  # (L, Hkv, T) log relative in-window attention
+    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Take T tokens into the memory; score each row's leaving token. -> ((L, Hkv, T), new state)."""
+        tokens = dict(new_key=new_key, new_value=new_value, leaving_key=leaving_key, leaving_value=leaving_value)
+        if self.spec.attention_feature:
+            tokens["leaving_attention"] = leaving_attention
+        state_names = list(self.spec.state_shapes)
+        scores = []
+        for begin in range(0, new_key.shape[2], MAX_CHUNK):
+            rows = slice(begin, begin + MAX_CHUNK)
+            feed = {name: np.ascontiguousarray(tokens[name][:, :, rows], np.float32)
+                    for name in self.spec.inputs if name in tokens}
+            feed.update(recurrent)
+            score, *new_state = self.session.run(None, feed)
+            recurrent = dict(zip(state_names, new_state))
+            scores.append(score)
+        if not scores:
+            return np.zeros((*new_key.shape[:2], 0), np.float32), recurrent
+        return np.concatenate(scores, axis=2), recurrent
+
+
+class LearnedScorer(TokenScorer):
+    """The trained network as a kvpop `TokenScorer` (one instance per engine, shared by sequences).
+
+    The policy calls `observe` with every append and `score` only when tokens leave the window, after
+    the leaving tokens are gathered. A token leaving at new token t must be read from the memory after
+    the memory took in t (as in training), so `observe` only holds the append's tokens back and
+    `score` runs them through the memory together with their leaving tokens, row by row. The leaving
+    tokens of an append (positions [first, stop)) leave at its last M arrivals; anything not scored
+    (nothing left) is taken in, with no reads, at the next append.
+
+    With the attention feature, it keeps its own per-slot statistic as the traces define it: attention
+    received from the queries up to w tokens later, each probability times the keys its query saw
+    (valid slots + its place in the chunk). The policy should protect the window it was trained for.
+    """
+
+    name = "learned"
+    ATTENTION = "relative_window_attention"
+
+    def __init__(self, runtime: ScorerRuntime) -> None:
+        self.runtime = runtime
+        self.statistics = (self.ATTENTION,) if runtime.spec.attention_feature else ()
+
+    @classmethod
+    def load(cls, directory: Path, kind: str = "mlstm", threads: int | None = None) -> "LearnedScorer":
+        return cls(ScorerRuntime(directory, kind, threads))
+
+    @property
+    def window(self) -> int:
+        """The window the scorer was trained for; the kvpop policy should protect the same."""
+        return self.runtime.spec.window
+
+    def init_state(self, cache) -> ScorerState:
+        return self.runtime.initial_state()
+
+    def observe(self, cache, state: ScorerState, update) -> dict[str, np.ndarray]:
+        self._consume(state, leaving=None)
+        state.pending_key = np.array(update.key, np.float32)  # a copy: the caller may reuse its buffers
+        state.pending_value = np.array(update.value, np.float32)
+        if not self.statistics:
+            return {}
+        visible = (cache.length + np.arange(update.num_tokens) + 1).astype(np.float32)  # keys query i saw
+        # Only queries up to w after a token count (a chunk's later queries come after it left).
+        query = update.positions[:, None]  # (T, 1)
+        old = query <= cache.position[:, :, None, :] + self.window  # (L, Hkv, T, C)
+        new = query <= update.positions[None, :] + self.window  # (T, T)
+        # (L, Hkv, G, T, C|T) -> (L, Hkv, C|T): summed over the new queries and the query heads of the group.
+        cache.statistics[self.ATTENTION] += np.einsum("lhgtc,lhtc,t->lhc", update.attention, old, visible)
+        return {self.ATTENTION: np.einsum("lhgts,ts,t->lhs", update.chunk_attention, new, visible)}
+
+    def score(self, cache, state: ScorerState, leaving: LeavingTokens) -> np.ndarray:
+        # Heads hold the leaving tokens in different slot orders: put each head's in position order.
+        order = np.argsort(leaving.positions, axis=2, kind="stable")  # (L, Hkv, M)
+        sorted_leaving = LeavingTokens(
+            positions=np.take_along_axis(leaving.positions, order, axis=2),
+            key=np.take_along_axis(leaving.key, order[..., None], axis=2),
+            value=np.take_along_axis(leaving.value, order[..., None], axis=2),
+            statistics={name: np.take_along_axis(stat, order, axis=2) for name, stat in leaving.statistics.items()},
+        )
+        scores = self._consume(state, sorted_leaving)  # (L, Hkv, M) in position order
+        unsorted = np.empty_like(scores)
+        np.put_along_axis(unsorted, order, scores, axis=2)
+        return unsorted
+
+    def _consume(self, state: ScorerState, leaving: LeavingTokens | None) -> np.ndarray:
+        """Run the pending tokens through the memory; the M leaving tokens go to the last M rows."""
+        pending = state.pending_key.shape[2]
+        count = 0 if leaving is None else leaving.key.shape[2]
+        if count == 0 and not state.recurrent:  # stateless and nothing to score: nothing to do
+            state.pending_key, state.pending_value = state.pending_key[:, :, :0], state.pending_value[:, :, :0]
+            return np.zeros((*state.pending_key.shape[:2], 0), np.float32)
+        if count > pending:
+            raise ValueError(f"{count} tokens leave but only {pending} arrived: observe must precede score")
+        shape = state.pending_key.shape
+        rows_key, rows_value = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+        rows_attention = np.zeros(shape[:3], np.float32)
+        if count:
+            rows = slice(pending - count, pending)
+            rows_key[:, :, rows], rows_value[:, :, rows] = leaving.key, leaving.value
+            if self.statistics:
+                rows_attention[:, :, rows] = np.log(np.maximum(leaving.statistics[self.ATTENTION], 1e-30))
+        scores, state.recurrent = self.runtime.step(
+            state.recurrent, state.pending_key, state.pending_value, rows_key, rows_value, rows_attention
+        )
+        state.pending_key, state.pending_value = state.pending_key[:, :, :0], state.pending_value[:, :, :0]
+        return scores[:, :, pending - count :]

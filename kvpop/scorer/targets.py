@@ -1,0 +1,94 @@
+"""Future-attention importance: what the scorer learns to predict.
+
+For token t with protected window w, the target is the mean attention t receives from the queries at
+positions d >= t + w (the ones that come after t left the window, i.e. the ones eviction affects),
+max over the query heads sharing t's KV head (a slot is shared by its GQA group, so it matters if any
+of them needs it), in log space (attention spans orders of magnitude; the ranking is what matters).
+
+Computed blockwise over queries: each block's softmax rows are exact (a row needs only its own
+keys), and the block adds its future-attention mass to a running per-token sum. Peak memory is
+Hq * block * S, never S * S, so 32k-token traces of real models fit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+LOG_FLOOR = math.log(1e-30)  # log target of a token no future query attends to at all
+BLOCK_ELEMENTS = 1 << 25  # default block: Hq * block * S <= 32M probabilities (128 MiB; ~6x in temporaries)
+
+
+@dataclass
+class AttentionReceived:
+    """What each token that leaves the window within a trace received, per KV head (log space)."""
+
+    future: torch.Tensor  # (Hkv, S - w) the target: mean over queries d >= t + w, max over the group
+    window: torch.Tensor  # (Hkv, S - w) what is known when t leaves: the attention from queries
+    # d in [t, t + w], each times the d + 1 keys it saw (relative to uniform, so it reads the same in a
+    # budget-sized cache), summed over them and the group. A scorer input and a baseline.
+
+
+def attention_received(
+    query: torch.Tensor,  # (Hq, S, D), RoPE applied
+    key: torch.Tensor,  # (Hkv, S, D), RoPE applied
+    window: int,
+    scaling: float | None = None,
+    block_size: int | None = None,
+) -> AttentionReceived:
+    """Future-attention targets (and the in-window baseline) of the tokens that leave the window.
+
+    Tokens t > S - 1 - w never leave the window within the trace and get none. `block_size` queries
+    are processed at a time (default: as many as fit in BLOCK_ELEMENTS).
+    """
+    query_heads, length, dim = query.shape
+    kv_heads = key.shape[0]
+    group = query_heads // kv_heads
+    scaling = dim**-0.5 if scaling is None else scaling
+    block_size = block_size or max(16, BLOCK_ELEMENTS // (query_heads * length))
+    scored = max(length - window, 0)
+    grouped = query.float().reshape(kv_heads, group, length, dim)  # (Hkv, G, S, D)
+    key = key.float()
+    future = query.new_zeros(kv_heads, group, length, dtype=torch.float32)  # (Hkv, G, S) summed attention
+    in_window = query.new_zeros(kv_heads, group, length, dtype=torch.float32)
+    token = torch.arange(length, device=query.device)
+    for begin in range(0, length, block_size):
+        end = min(begin + block_size, length)
+        rows = token[begin:end, None]  # (b, 1) query positions
+        logits = grouped[:, :, begin:end] @ key[:, None, :end].transpose(2, 3) * scaling  # (Hkv, G, b, end)
+        logits = logits.masked_fill(token[None, :end] > rows, float("-inf"))  # causal
+        probs = torch.softmax(logits, dim=-1)
+        after = token[None, :end] <= rows - window  # (b, end): query d counts for t iff d >= t + w
+        future[:, :, :end] += (probs * after).sum(dim=2)
+        relative = probs * (rows + 1)  # d + 1 keys visible to query d
+        in_window[:, :, :end] += (relative * (token[None, :end] >= rows - window)).sum(dim=2)
+    count = (length - window - token[:scored]).float()  # queries d in [t + w, S)
+    mean = future[:, :, :scored] / count  # (Hkv, G, S - w)
+    return AttentionReceived(
+        future=torch.log(mean.amax(dim=1)).clamp_min(LOG_FLOOR),
+        window=torch.log(in_window[:, :, :scored].sum(dim=1)).clamp_min(LOG_FLOOR),
+    )
+
+
+def dense_attention_received(query: torch.Tensor, key: torch.Tensor, window: int, scaling: float | None = None):
+    """The same quantities from the full S x S attention matrix (reference for tests, small inputs only)."""
+    query_heads, length, dim = query.shape
+    kv_heads = key.shape[0]
+    scaling = dim**-0.5 if scaling is None else scaling
+    expanded = key.float().repeat_interleave(query_heads // kv_heads, dim=0)  # (Hq, S, D)
+    logits = query.float() @ expanded.transpose(1, 2) * scaling  # (Hq, S, S) [query, token]
+    token = torch.arange(length)
+    logits = logits.masked_fill(token[None, :] > token[:, None], float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    query_position, token_position = token[:, None], token[None, :]  # (S, 1), (1, S)
+    future = query_position >= token_position + window  # (S, S) [query, token]
+    in_window = (query_position >= token_position) & (query_position <= token_position + window)
+    means = torch.stack([probs[:, future[:, t], t].mean(dim=1) for t in range(length - window)], dim=1)
+    sums = (probs * (query_position + 1) * in_window).sum(dim=1)[:, : length - window]  # (Hq, S - w)
+    group = query_heads // kv_heads
+    return AttentionReceived(
+        future=torch.log(means.reshape(kv_heads, group, -1).amax(dim=1)).clamp_min(LOG_FLOOR),
+        window=torch.log(sums.reshape(kv_heads, group, -1).sum(dim=1)).clamp_min(LOG_FLOOR),
+    )

@@ -1,0 +1,259 @@
+"""Long-context multi-step arithmetic tasks, deterministic by (split, index).
+
+A task is a context of facts scattered through filler, then a question `? d :` about one
+variable. Facts are written value-first with the defined name right after its value
+(`12 b ;` is b = 12, `b +5 c ;` is c = b + 5): that adjacency is what let small models
+discover retrieval (issue 3; an `=` between value and name kept recall on its plateau here).
+Answering needs the whole chain of facts from the asked variable back to a number, so the
+chain of thought first looks every fact up, name first (`d c -3 ; c b +5 ; b 12 ;`: the lookup
+is keyed on the token the model has just written), then computes forward, reading its own
+intermediate results back (`c = 12 +5 = 17 ; d = 17 -3 = 14 ;`), then answers (`# 14`).
+Eviction matters because the needed facts sit anywhere in the context, while distractors
+(other chains, and "near-miss" facts that use a chain variable on their right-hand side)
+defeat any lookup that is not keyed on the defined name.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass
+
+from kvpop.tasks.language import (
+    ANSWER_START,
+    EQUALS,
+    FACT_END,
+    FILLER_WORDS,
+    FINAL,
+    MAX_VALUE,
+    NAMES,
+    OPERATORS,
+    QUESTION,
+    SENTENCE_END,
+    apply_operator,
+)
+
+SPLITS: tuple[str, ...] = ("train", "validation", "test")
+_SPLIT_STRIDE = 1 << 40  # seeds of different splits never overlap: split k owns [k * stride, (k+1) * stride)
+
+# Roles of chain-of-thought tokens, for diagnostics: which skill predicting the token needs.
+RETRIEVE = "retrieve"  # read from a fact in the context (the long-range lookup)
+COPY = "copy"  # read back from the question or the chain of thought itself
+COMPUTE = "compute"  # arithmetic on the two previous tokens
+FORMAT = "format"  # fixed by the answer grammar
+
+QUESTION_TOKENS = 3  # "? name :"
+BOS_TOKENS = 1
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """Knobs of one task distribution (context_tokens counts the whole prompt, BOS included)."""
+
+    context_tokens: int = 512  # prompt length in tokens; the benchmark uses 512..4096
+    hops: int = 3  # relation steps between the asked variable and its numeric root
+    min_hops: int | None = None  # when set, each question draws its hops from [min_hops, hops]
+    num_facts: int | None = None  # facts in the context (one per variable); None: scales with length
+    distractors: int | None = None  # near-miss facts built on chain variables; None: num_facts // 4
+    questions: int = 1  # questions per sequence; more than one only for dense training
+    name_pool: int = len(NAMES)  # names are drawn from the first name_pool names; small pools ease early training
+
+    def __post_init__(self) -> None:
+        if self.hops < 0 or (self.min_hops is not None and not 0 <= self.min_hops <= self.hops):
+            raise ValueError(f"need 0 <= min_hops <= hops, got min_hops={self.min_hops} hops={self.hops}")
+        if self.questions < 1:
+            raise ValueError(f"questions must be >= 1, got {self.questions}")
+        chain_facts = self.questions * (self.hops + 1)
+        if not chain_facts + self.near_miss_facts <= self.fact_count <= self.name_pool <= len(NAMES):
+            raise ValueError(
+                f"num_facts={self.fact_count} must lie in [{chain_facts + self.near_miss_facts}, "
+                f"name_pool={self.name_pool} <= {len(NAMES)}]: "
+                f"{self.questions} question chain(s) of {self.hops + 1} facts plus {self.near_miss_facts} near-miss facts"
+            )
+        needed = BOS_TOKENS + 4 * self.fact_count + QUESTION_TOKENS
+        if self.context_tokens < needed:
+            raise ValueError(f"context_tokens={self.context_tokens} cannot hold {self.fact_count} facts (needs {needed})")
+
+    @property
+    def fact_count(self) -> int:
+        if self.num_facts is not None:
+            return self.num_facts
+        chain_facts = self.questions * (self.hops + 1)
+        return min(self.name_pool - 4, max(chain_facts + 2, self.context_tokens // 12))
+
+    @property
+    def near_miss_facts(self) -> int:
+        return self.distractors if self.distractors is not None else self.fact_count // 4
+
+
+@dataclass(frozen=True)
+class Fact:
+    """`name` is defined as a number (root) or as `parent <operator>`."""
+
+    name: str
+    value: int
+    parent: str | None = None
+    operator: str | None = None
+
+    @property
+    def words(self) -> tuple[str, ...]:
+        if self.parent is None:
+            return (str(self.value), self.name, FACT_END)
+        return (self.parent, self.operator, self.name, FACT_END)
+
+
+@dataclass(frozen=True)
+class Question:
+    name: str
+    hops: int
+    answer: int
+    reasoning: tuple[str, ...]  # chain-of-thought words, ending with "# <answer>"
+    roles: tuple[str, ...]  # one role per reasoning word
+    fact_positions: tuple[int, ...]  # prompt positions (BOS = 0) of the defined names this answer needs
+
+
+@dataclass(frozen=True)
+class Task:
+    config: TaskConfig
+    split: str
+    index: int
+    context: tuple[str, ...]  # facts and filler, without BOS and question
+    questions: tuple[Question, ...]
+
+    @property
+    def prompt(self) -> str:
+        """Context and first question; the tokenizer adds BOS."""
+        return " ".join(self.context + question_words(self.questions[0].name))
+
+    @property
+    def target(self) -> str:
+        return " ".join(self.questions[0].reasoning)
+
+    @property
+    def answer(self) -> str:
+        return str(self.questions[0].answer)
+
+    def to_json(self) -> dict:
+        """One JSONL record: what an evaluator needs, plus metadata."""
+        first = self.questions[0]
+        return {
+            "prompt": self.prompt,
+            "answer": self.answer,
+            "target": self.target,
+            "split": self.split,
+            "index": self.index,
+            "hops": first.hops,
+            "prompt_tokens": BOS_TOKENS + len(self.context) + QUESTION_TOKENS,
+            "target_tokens": len(first.reasoning),
+            "fact_positions": list(first.fact_positions),
+            "config": asdict(self.config),
+        }
+
+
+def question_words(name: str) -> tuple[str, ...]:
+    return (QUESTION, name, ANSWER_START)
+
+
+def task_seed(split: str, index: int) -> int:
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+    if not 0 <= index < _SPLIT_STRIDE:
+        raise ValueError(f"index must lie in [0, 2**40), got {index}")
+    return SPLITS.index(split) * _SPLIT_STRIDE + index
+
+
+def generate_task(config: TaskConfig, split: str, index: int) -> Task:
+    rng = random.Random(task_seed(split, index))
+    names = iter(rng.sample(NAMES[: config.name_pool], config.fact_count))
+    min_hops = config.hops if config.min_hops is None else config.min_hops
+
+    chains: list[list[Fact]] = []  # root first
+    for _ in range(config.questions):
+        chain = [Fact(next(names), rng.randint(0, MAX_VALUE))]
+        for _ in range(rng.randint(min_hops, config.hops)):
+            chain.append(_relation(rng, next(names), chain[-1]))
+        chains.append(chain)
+    chain_facts = [fact for chain in chains for fact in chain]
+
+    distractors: list[Fact] = []
+    for _ in range(config.near_miss_facts):
+        distractors.append(_relation(rng, next(names), rng.choice(chain_facts)))
+    for name in names:  # the rest: independent roots and chains
+        if distractors and rng.random() < 0.6:
+            distractors.append(_relation(rng, name, rng.choice(distractors)))
+        else:
+            distractors.append(Fact(name, rng.randint(0, MAX_VALUE)))
+
+    facts = chain_facts + distractors
+    rng.shuffle(facts)
+    context, positions = _lay_out(rng, facts, config.context_tokens)
+    questions = tuple(_question(chain, positions) for chain in chains)
+    return Task(config, split, index, tuple(context), questions)
+
+
+def generate_split(config: TaskConfig, split: str, num: int, start: int = 0) -> list[Task]:
+    return [generate_task(config, split, index) for index in range(start, start + num)]
+
+
+def _relation(rng: random.Random, name: str, parent: Fact) -> Fact:
+    operator = rng.choice([op for op in OPERATORS if 0 <= apply_operator(parent.value, op) <= MAX_VALUE])
+    return Fact(name, apply_operator(parent.value, operator), parent.name, operator)
+
+
+def _lay_out(rng: random.Random, facts: list[Fact], context_tokens: int) -> tuple[list[str], dict[str, int]]:
+    """Scatter facts through filler so the prompt has exactly context_tokens tokens.
+
+    Returns the context words and, per defined name, its prompt position (BOS = 0).
+    """
+    fact_words = sum(len(fact.words) for fact in facts)
+    filler = context_tokens - BOS_TOKENS - QUESTION_TOKENS - fact_words
+    cuts = sorted(rng.sample(range(filler + len(facts)), len(facts)))  # stars and bars: uniform gaps
+    gaps = [cut - i - (cuts[i - 1] - (i - 1) if i else 0) for i, cut in enumerate(cuts)]
+    gaps.append(filler - sum(gaps))
+    words: list[str] = []
+    positions: dict[str, int] = {}
+    for gap, fact in zip(gaps, facts + [None]):
+        words.extend(_filler(rng, gap))
+        if fact is not None:
+            words.extend(fact.words)
+            positions[fact.name] = BOS_TOKENS + len(words) - 2  # the defined name precedes ";"
+    return words, positions
+
+
+def _filler(rng: random.Random, count: int) -> list[str]:
+    return [SENTENCE_END if rng.random() < 0.15 else rng.choice(FILLER_WORDS) for _ in range(count)]
+
+
+def _question(chain: list[Fact], positions: dict[str, int]) -> Question:
+    words: list[str] = []
+    roles: list[str] = []
+
+    def emit(word: str, role: str) -> None:
+        words.append(word)
+        roles.append(role)
+
+    for fact in reversed(chain):  # look every fact up, from the asked name back to the root
+        emit(fact.name, COPY)
+        if fact.parent is None:
+            emit(str(fact.value), RETRIEVE)
+        else:
+            emit(fact.parent, RETRIEVE)
+            emit(fact.operator, RETRIEVE)
+        emit(FACT_END, FORMAT)
+    for previous, fact in zip(chain, chain[1:]):  # compute forward, reading results back
+        emit(fact.name, COPY)
+        emit(EQUALS, FORMAT)
+        emit(str(previous.value), COPY)
+        emit(fact.operator, COPY)
+        emit(EQUALS, FORMAT)
+        emit(str(fact.value), COMPUTE)
+        emit(FACT_END, FORMAT)
+    emit(FINAL, FORMAT)
+    emit(str(chain[-1].value), COPY)
+    return Question(
+        name=chain[-1].name,
+        hops=len(chain) - 1,
+        answer=chain[-1].value,
+        reasoning=tuple(words),
+        roles=tuple(roles),
+        fact_positions=tuple(sorted(positions[fact.name] for fact in chain)),
+    )

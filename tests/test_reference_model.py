@@ -1,0 +1,113 @@
+"""Reference model tooling (tokenizer, batches, curriculum, cache policies) and the shipped model."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, DynamicCache, LlamaForCausalLM
+
+from kvpop.reference.batches import IGNORE, collate, encode_task
+from kvpop.reference.curriculum import STAGES, CurriculumState
+from kvpop.reference.decoding import StreamingLLM, _forward, greedy_generate
+from kvpop.reference.model import ReferenceModelConfig, build_model
+from kvpop.reference.tokenizer import BOS, EOS, VOCAB, encode_words, save_tokenizer
+from kvpop.tasks import TaskConfig, exact_match, generate_task
+from kvpop.tasks.language import FINAL
+
+SHIPPED = Path(__file__).resolve().parents[1] / "models" / "reference"
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = ReferenceModelConfig(hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+    return build_model(config).eval()
+
+
+def test_tokenizer_round_trips_through_auto_tokenizer(tmp_path) -> None:
+    save_tokenizer(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    task = generate_task(TaskConfig(context_tokens=512), "test", 0)
+    ids = tokenizer(task.prompt)["input_ids"]
+    assert ids == [VOCAB[BOS]] + encode_words(task.prompt.split())
+    assert len(ids) == 512 and tokenizer.unk_token_id not in ids
+    assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == ("<bos>", "<eos>", "<pad>")
+    assert tokenizer.decode(ids, skip_special_tokens=True) == task.prompt
+
+
+def test_loss_only_on_reasoning_and_eos() -> None:
+    task = generate_task(TaskConfig(context_tokens=64, hops=1, num_facts=8, questions=2), "train", 0)
+    ids, labels, _roles, questions = encode_task(task)
+    targets = [label for label in labels if label != IGNORE]
+    reasoning = encode_words(task.questions[0].reasoning) + encode_words(task.questions[1].reasoning) + [VOCAB[EOS]]
+    assert targets == reasoning and ids[-1] == VOCAB[EOS]
+    assert {q for q in questions if q >= 0} == {0, 1}
+    batch = collate([task, task])
+    assert batch.num_questions == 4 and batch.loss_tokens == 2 * len(reasoning)
+
+
+def test_curriculum_advances_on_accuracy_only() -> None:
+    state = CurriculumState()
+    state.begin(0, 0, 0.0)
+    assert not state.report(0.5, step=10, tokens=100, seconds=1.0) and state.stage == 0
+    assert state.report(STAGES[0].threshold, step=20, tokens=200, seconds=2.0) and state.stage == 1
+    assert state.records[0].passed_step == 20 and state.records[1].name == STAGES[1].name
+
+
+def test_full_cache_greedy_matches_uncached_argmax(tiny_model) -> None:
+    prompt = torch.randint(4, len(VOCAB), (40,)).tolist()
+    generated = greedy_generate(tiny_model, prompt, 4, stop_ids=set())
+    sequence = list(prompt)
+    with torch.no_grad():
+        for _ in range(4):
+            sequence.append(int(tiny_model(input_ids=torch.tensor([sequence])).logits[0, -1].argmax()))
+    assert generated == sequence[len(prompt) :]
+
+
+def test_streaming_cache_equals_sinks_plus_sliding_window_attention(tiny_model) -> None:
+    """Cropping the RoPE-rotated cache must equal masking attention to sinks + recent tokens."""
+    length, budget, sinks = 50, 16, 4
+    ids = torch.randint(4, len(VOCAB), (1, length))
+    query, key = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    allowed = (key <= query) & ((key < sinks) | (query - key < budget - sinks))  # (T, T)
+    with torch.no_grad():
+        reference = tiny_model(input_ids=ids, attention_mask=allowed[None, None]).logits[0]  # (T, V)
+        policy, cache = StreamingLLM(budget=budget, sink_tokens=sinks), DynamicCache(config=tiny_model.config)
+        logits = []
+        for position in range(length):
+            policy.crop(cache, room=1)
+            logits.append(_forward(tiny_model, [int(ids[0, position])], position, cache)[0])
+    assert cache.layers[0].keys.shape[-2] == budget
+    torch.testing.assert_close(torch.cat(logits), reference, atol=1e-4, rtol=1e-4)
+
+
+def _hardest_passed_gate() -> TaskConfig | None:
+    summary = json.loads((SHIPPED / "training_summary.json").read_text())
+    passed = [r["name"] for r in summary["stages"] if r["passed_step"] is not None]
+    if not passed:
+        return None
+    gate = next(stage.gate for stage in STAGES if stage.name == passed[-1])
+    return dataclasses.replace(gate, questions=1)
+
+
+@pytest.mark.skipif(not (SHIPPED / "model.safetensors").exists(), reason="reference model not trained yet")
+def test_shipped_model_answers_test_tasks() -> None:
+    gate = _hardest_passed_gate()
+    if gate is None:
+        pytest.skip("the shipped model has not passed a curriculum stage yet")
+    torch.set_num_threads(1)
+    tokenizer = AutoTokenizer.from_pretrained(SHIPPED)
+    model = LlamaForCausalLM.from_pretrained(SHIPPED).eval()
+    assert model.config.num_key_value_heads < model.config.num_attention_heads  # grouped-query attention
+    tasks = [generate_task(gate, "test", i) for i in range(8)]
+    right = 0
+    for task in tasks:
+        ids = greedy_generate(
+            model, tokenizer(task.prompt)["input_ids"], 96, {tokenizer.eos_token_id}, tokenizer.convert_tokens_to_ids(FINAL)
+        )
+        right += exact_match(tokenizer.decode(ids, skip_special_tokens=True), task.answer)
+    assert right >= 6, f"{right}/8 test tasks right at {gate}"

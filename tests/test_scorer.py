@@ -1,0 +1,287 @@
+"""The learned KVpop scorer: targets, network, traces, training, ONNX export, runtime, policy integration."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvpop.scorer.network import Scorer, ScorerConfig, load_scorer, save_scorer  # noqa: E402
+from kvpop.scorer.targets import attention_received, dense_attention_received  # noqa: E402
+
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: a second thread only contends with whatever else the machine runs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+CONFIGS = {
+    kind: ScorerConfig(kind=kind, num_layers=2, num_kv_heads=2, head_dim=8, window=4) for kind in ("mlstm", "mlp")
+}
+
+
+def random_sequence(length: int, seed: int = 0, config: ScorerConfig = CONFIGS["mlstm"]):
+    generator = torch.Generator().manual_seed(seed)
+    shape = (config.num_layers, config.num_kv_heads, length, config.head_dim)
+    return torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+
+
+# -- targets ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("window", [0, 3, 10])
+@pytest.mark.parametrize("block_size", [1, 7, 64])
+def test_blockwise_targets_match_dense(window, block_size):
+    generator = torch.Generator().manual_seed(window)
+    query = 2 * torch.randn(6, 50, 8, generator=generator)  # 6 query heads share 2 KV heads
+    key = 2 * torch.randn(2, 50, 8, generator=generator)
+    blockwise = attention_received(query, key, window, block_size=block_size)
+    dense = dense_attention_received(query, key, window)
+    assert blockwise.future.shape == blockwise.window.shape == (2, 50 - window)
+    torch.testing.assert_close(blockwise.future, dense.future, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(blockwise.window, dense.window, atol=1e-5, rtol=1e-5)
+
+
+def test_targets_of_a_too_short_trace_are_empty():
+    received = attention_received(torch.randn(4, 5, 8), torch.randn(2, 5, 8), window=5)
+    assert received.future.shape == received.window.shape == (2, 0)
+
+
+# -- traces: what the scorer sees is what the slot cache holds --------------------------------
+
+
+def test_traces_record_cached_keys_and_model_attention(tiny_hf_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from export.decoder_step import SlotCacheDecoderStep
+    from kvpop.scorer.traces import collect_traces
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_hf_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_hf_model_dir)
+    text = "Tokens leave the protected window and compete for long-range slots. " * 3
+    (trace,) = collect_traces(model, tokenizer, [text], window=8, progress=False)
+    input_ids = tokenizer(text, return_tensors="pt").input_ids
+    length = input_ids.shape[1]
+    step = SlotCacheDecoderStep(model).eval()
+    empty = torch.zeros(model.config.num_hidden_layers, 1, model.config.num_key_value_heads, 0, 16)
+    with torch.no_grad():
+        _, new_key, new_value, _, chunk_attention = step(
+            input_ids, torch.arange(length)[None], empty, empty, torch.zeros(1, 0, dtype=torch.bool)
+        )
+    torch.testing.assert_close(trace.key.float(), new_key[:, 0], atol=2e-3, rtol=2e-3)  # fp16 storage
+    torch.testing.assert_close(trace.value.float(), new_value[:, 0], atol=2e-3, rtol=2e-3)
+    # Both from the model's own attention matrix (L, Hq, S, S) [query d, token t], window w = 8.
+    probs = chunk_attention[:, 0]
+    layers, query_heads = probs.shape[:2]
+    query_position, token_position = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    future = query_position >= token_position + 8
+    mean = (probs * future).sum(2)[..., : length - 8] / (length - 8 - torch.arange(length - 8))
+    expected = mean.reshape(layers, 2, query_heads // 2, -1).amax(2).log()
+    torch.testing.assert_close(trace.target, expected, atol=1e-4, rtol=1e-4)
+    relative = probs * (query_position + 1)  # causal, so only d >= t is nonzero
+    in_window = (relative * (query_position <= token_position + 8)).sum(2)[..., : length - 8]
+    expected = in_window.reshape(layers, 2, query_heads // 2, -1).sum(2).log()
+    torch.testing.assert_close(trace.window_attention, expected, atol=1e-4, rtol=1e-4)
+
+
+# -- network ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["mlstm", "mlp"])
+def test_network_shapes_and_chunk_invariance(kind):
+    config = CONFIGS[kind]
+    scorer = Scorer(config)
+    key, value = random_sequence(37)
+    score, state = scorer(key, value, key, value, scorer.initial_state())
+    assert score.shape == (2, 2, 37)
+    assert tuple(tuple(s.shape) for s in state) == tuple(config.state_shapes().values())
+    whole = scorer.score_sequence(key, value, chunk_size=64)
+    assert whole.shape == (2, 2, 37 - config.window)
+    for chunk_size in (1, 5):  # the runtime's decode steps and prefill chunks give the same scores
+        chunked = scorer.score_sequence(key, value, chunk_size=chunk_size)
+        torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
+
+
+def test_mlstm_matches_the_plain_recurrence():
+    """The stabilised chunkwise form equals h_t = C_t q / max(|n_t . q|, 1), C_t = f C + i v k^T."""
+    from kvpop.scorer.network import mlstm_chunk
+
+    generator = torch.Generator().manual_seed(3)
+    heads, steps, dim = 3, 9, 4
+    query, key, value = (torch.randn(heads, steps, dim, generator=generator, dtype=torch.float64) for _ in range(3))
+    log_input = 3 * torch.randn(heads, steps, generator=generator, dtype=torch.float64)
+    log_forget = torch.nn.functional.logsigmoid(torch.randn(heads, steps, generator=generator, dtype=torch.float64))
+    zeros = (torch.zeros(heads, dim, dim, dtype=torch.float64), torch.zeros(heads, dim, dtype=torch.float64),
+             torch.zeros(heads, dtype=torch.float64))
+    read, memory, normaliser, stabiliser = mlstm_chunk(query, key, value, log_input, log_forget, *zeros)
+    plain_memory, plain_normaliser = zeros[0].clone(), zeros[1].clone()
+    for t in range(steps):
+        forget, gate = log_forget[:, t].exp(), log_input[:, t].exp()
+        outer = key[:, t, :, None] * value[:, t, None, :]  # (H, M, M) v k^T, stored [key, value]
+        plain_memory = forget[:, None, None] * plain_memory + gate[:, None, None] * outer
+        plain_normaliser = forget[:, None] * plain_normaliser + gate[:, None] * key[:, t]
+        numerator = torch.einsum("hkv,hk->hv", plain_memory, query[:, t])
+        denominator = (plain_normaliser * query[:, t]).sum(-1).abs().clamp_min(1.0)
+        torch.testing.assert_close(read[:, t], numerator / denominator[:, None])
+    torch.testing.assert_close(memory * stabiliser.exp()[:, None, None], plain_memory)
+    torch.testing.assert_close(normaliser * stabiliser.exp()[:, None], plain_normaliser)
+
+
+# -- training -----------------------------------------------------------------------------------
+
+
+def test_training_runs_and_checkpoint_roundtrips(tmp_path):
+    from kvpop.scorer.traces import Trace
+    from kvpop.scorer.train import TrainConfig, TrainingSet, train_scorer
+
+    def trace(seed):
+        key, value = random_sequence(60, seed)
+        target = key[..., :56, 0] + value[..., :56, 1]  # learnable from the token itself
+        return Trace(key.half(), value.half(), target, window_attention=torch.zeros_like(target))
+
+    config = TrainConfig(window=4, sinks=1, long_range_slots=(4, 8), steps=40,
+                         minutes_per_kind=1.0, learning_rate=1e-2)
+    training = TrainingSet.build([trace(seed) for seed in range(4)], config)
+    scorer, report = train_scorer("mlstm", training, TrainingSet.build([trace(9)], config), config, progress=False)
+    assert report["steps"] == 40
+    assert report["validation_pair_accuracy"] > max(0.7, report["validation_pair_accuracy_initial"])
+    save_scorer(scorer, tmp_path / "scorer.pt")
+    key, value = random_sequence(20, seed=5)
+    loaded = load_scorer(tmp_path / "scorer.pt")
+    torch.testing.assert_close(loaded.score_sequence(key, value), scorer.score_sequence(key, value))
+
+
+# -- ONNX export and runtime ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """Both variants exported once (parity is checked by the export itself)."""
+    from kvpop.scorer.onnx_export import export_scorer
+
+    directory = tmp_path_factory.mktemp("scorer")
+    torch.manual_seed(0)
+    scorers = {kind: Scorer(config).eval() for kind, config in CONFIGS.items()}
+    reports = {kind: export_scorer(scorer, directory) for kind, scorer in scorers.items()}
+    return directory, scorers, reports
+
+
+def test_onnx_export_matches_torch(exported):
+    _, _, reports = exported
+    for report in reports.values():
+        assert report.passed, report.max_abs_diff
+
+
+@pytest.mark.parametrize("kind", ["mlstm", "mlp"])
+def test_runtime_state_roundtrip(exported, kind):
+    from kvpop.scorer.runtime import ScorerRuntime, ScorerState
+
+    directory, scorers, _ = exported
+    runtime = ScorerRuntime(directory, kind)
+    key, value = (x.numpy() for x in random_sequence(12, seed=1))
+    leaving_key, leaving_value = (x.numpy() for x in random_sequence(12, seed=2))
+    state = runtime.initial_state().recurrent
+    at_once, final = runtime.step(state, key, value, leaving_key, leaving_value)
+    # Split after 5 tokens, with the state saved and restored (copied) in between.
+    first, middle = runtime.step(state, key[:, :, :5], value[:, :, :5], leaving_key[:, :, :5], leaving_value[:, :, :5])
+    snapshot = ScorerState(middle, *(np.zeros((2, 2, 0, 8), np.float32) for _ in range(2))).copy()
+    for array in middle.values():
+        array[...] = np.nan  # the snapshot owns its arrays
+    rest = (array[:, :, 5:] for array in (key, value, leaving_key, leaving_value))
+    second, resumed = runtime.step(snapshot.recurrent, *rest)
+    np.testing.assert_allclose(np.concatenate([first, second], axis=2), at_once, atol=1e-5)
+    for name in final:
+        np.testing.assert_allclose(resumed[name], final[name], atol=1e-5)
+    with torch.no_grad():
+        torch_scores, _ = scorers[kind](*(torch.from_numpy(x) for x in (key, value, leaving_key, leaving_value)),
+                                        scorers[kind].initial_state())
+    np.testing.assert_allclose(at_once, torch_scores.numpy(), atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["mlstm", "mlp"])
+def test_kvpop_policy_with_learned_scorer_gives_training_scores(exported, kind):
+    """Through the slot cache and kvpop policy (a prefill chunk, then decode steps), every token gets
+    exactly the score the training code computes for it when it leaves the window."""
+    from kvpop.cache import SlotCache
+    from kvpop.model_spec import ModelSpec
+    from kvpop.policies.kvpop import SCORE, KVpopPolicy
+    from kvpop.scorer.runtime import LearnedScorer
+
+    directory, scorers, _ = exported
+    config = CONFIGS[kind]
+    spec = ModelSpec("LlamaForCausalLM", num_layers=2, num_attention_heads=4, num_kv_heads=2, head_dim=8,
+                     vocab_size=16, dtype="float32", max_position_embeddings=4096)
+    scorer = LearnedScorer.load(directory, kind)
+    cache = SlotCache(spec, KVpopPolicy(sinks=1, window=scorer.window, scorer=scorer), budget=16)
+    key, value = random_sequence(40, seed=4)
+    for begin, end in [(0, 11), *((t, t + 1) for t in range(11, 40))]:
+        tokens = end - begin
+        cache.append(key[:, :, begin:end].numpy(), value[:, :, begin:end].numpy(),
+                     np.zeros((2, 4, tokens, cache.capacity), np.float32), np.zeros((2, 4, tokens, tokens), np.float32))
+    with torch.no_grad():
+        expected = scorers[kind].score_sequence(key, value).numpy()  # (L, Hkv, 40 - w)
+    scored = (cache.position >= 1) & (cache.position < 40 - config.window)  # left the window, not a sink
+    got = cache.statistics[SCORE][scored]
+    want = np.take_along_axis(expected, np.where(scored, cache.position, 0), axis=2)[scored]
+    assert scored.sum() >= 2 * 2 * 10
+    np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_learned_scorer_with_attention_feature_sees_what_traces_record(tiny_hf_model_dir, tmp_path):
+    """Decoding the tiny model through the slot cache (a prefill chunk, then single tokens): the
+    attention statistic the learned scorer keeps is the trace's in-window attention, and every
+    token's score is the one training computes from the trace."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from export.decoder_step import SlotCacheDecoderStep
+    from kvpop.cache import SlotCache
+    from kvpop.model_spec import ModelSpec
+    from kvpop.policies.kvpop import SCORE, KVpopPolicy
+    from kvpop.scorer.onnx_export import export_scorer
+    from kvpop.scorer.runtime import LearnedScorer
+    from kvpop.scorer.traces import collect_traces
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_hf_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_hf_model_dir)
+    input_ids = tokenizer("KVpop keeps a fixed budget of key and value slots for every head. " * 2).input_ids
+    (trace,) = collect_traces(model, tokenizer, [tokenizer.decode(input_ids)], window=8, progress=False)
+    length = trace.length
+    torch.manual_seed(0)
+    scorer = Scorer(ScorerConfig(num_layers=2, num_kv_heads=2, head_dim=16, window=8, attention_feature=True))
+    scorer.fit_standardisation(trace.key.float(), trace.value.float(), trace.window_attention)
+    assert export_scorer(scorer, tmp_path).passed
+    seen_attention = {}  # position -> (L, Hkv) statistic handed to the scorer as the token left
+
+    class Spy(LearnedScorer):
+        def score(self, cache, state, leaving):
+            for index, position in enumerate(leaving.positions[0, 0]):  # every head holds them in one order
+                seen_attention[int(position)] = leaving.statistics[self.ATTENTION][:, :, index]
+            return super().score(cache, state, leaving)
+
+    learned = Spy.load(tmp_path, "mlstm")
+
+    spec = ModelSpec("LlamaForCausalLM", num_layers=2, num_attention_heads=4, num_kv_heads=2, head_dim=16,
+                     vocab_size=model.config.vocab_size, dtype="float32", max_position_embeddings=4096)
+    cache = SlotCache(spec, KVpopPolicy(sinks=1, window=8, scorer=learned), budget=length)  # nothing evicted
+    step, ids = SlotCacheDecoderStep(model).eval(), torch.tensor([input_ids[:length]])
+    for begin, end in [(0, 13), *((t, t + 1) for t in range(13, length))]:
+        past_key, past_value = (torch.from_numpy(array)[:, None] for array in (cache.key, cache.value))
+        with torch.no_grad():
+            _, key, value, attention, chunk_attention = step(
+                ids[:, begin:end], torch.arange(begin, end)[None], past_key, past_value,
+                torch.from_numpy(cache.slot_mask())[None],
+            )
+        cache.append(*(tensor[:, 0].numpy() for tensor in (key, value, attention, chunk_attention)))
+
+    left = np.arange(1, length - 8)  # scored: left the window, not a sink (slot = position here)
+    recorded = np.stack([seen_attention[position] for position in left], axis=2)
+    np.testing.assert_allclose(np.log(recorded), trace.window_attention[:, :, left].numpy(), atol=1e-3)
+    with torch.no_grad():
+        expected = scorer.score_sequence(trace.key.float(), trace.value.float(), trace.window_attention)
+    np.testing.assert_allclose(cache.statistics[SCORE][:, :, left], expected[:, :, left].numpy(), atol=2e-2)

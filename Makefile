@@ -13,10 +13,18 @@ ADDRESS ?= 0.0.0.0
 CONFIG ?= auto
 PID_FILE := run/tritonserver.pid
 
-.PHONY: help setup export serve serve-bg stop test test-unit test-e2e clean
+.PHONY: help setup export serve serve-bg stop test test-unit test-e2e clean reference-model eval-reference \
+	train-scorer tasks eval-sweep speed speed-quick loadtest
+
+REFERENCE := models/reference
+TASKS_FILE := build/tasks/test-512.jsonl
+USERS ?= 16
+DURATION ?= 60s
+PROTOCOL ?= http
+HOST ?= 127.0.0.1
 
 help:  ## list targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
 
 setup: $(SETUP_STAMP)  ## create .venv with pinned dependencies and the tritonserver binary (idempotent)
 
@@ -55,6 +63,33 @@ test-unit: setup  ## unit tests only
 
 test-e2e: setup  ## end-to-end tests only (real tritonserver, tritonclient HTTP and gRPC)
 	$(PY) -m pytest -q -m server
+
+reference-model: setup  ## train the shipped reference model (resumes models/reference/checkpoint; hours on a CPU)
+	$(PY) -m kvpop.reference.train --out $(REFERENCE)
+
+eval-reference: setup  ## full-cache and StreamingLLM accuracy of the reference model per context length (JSON + plot)
+	$(PY) -m kvpop.reference.evaluate --model $(REFERENCE) --out docs/reference_model
+
+train-scorer: setup  ## train the KVpop scorers (mLSTM + MLP) for MODEL (default: the reference model) into MODEL/scorer
+	$(PY) -m kvpop.scorer.train --model $(or $(MODEL),$(REFERENCE))
+
+tasks: setup  ## write the reference test split (512-token contexts) to build/tasks/
+	$(PY) -m kvpop.tasks write --split test --num 200 --context-tokens 512 --out $(TASKS_FILE)
+
+eval-sweep: tasks  ## every policy x compression 0-94% on the test split: docs/quality/ (JSON, markdown, plot)
+	$(PY) -m kvpop.eval --model model_repository/kvpop_engine/1 --tasks $(TASKS_FILE) --sweep --out-dir docs/quality
+
+speed: setup  ## decode speed and memory vs context length, full vs bounded vs HF generate: docs/benchmarks/
+	$(PY) -m benchmarks.speed --out-dir docs/benchmarks
+
+speed-quick: setup  ## the speed harness on a tiny model, in seconds (plumbing)
+	$(PY) -m benchmarks.speed --quick --out-dir build/speed-quick
+
+loadtest: setup  ## locust against a running server (make serve-bg first): USERS, DURATION, PROTOCOL=http|grpc
+	@mkdir -p loadtest/results
+	KVPOP_PROTOCOL=$(PROTOCOL) KVPOP_GRPC_URL=$(HOST):$(GRPC_PORT) $(VENV)/bin/locust -f loadtest/locustfile.py \
+		--headless -u $(USERS) -r $(USERS) -t $(DURATION) --host http://$(HOST):$(HTTP_PORT) \
+		--csv loadtest/results/$(PROTOCOL) --html loadtest/results/$(PROTOCOL).html --only-summary
 
 clean:  ## remove exported artifacts and run files (keeps .venv)
 	rm -rf run model_repository/kvpop_engine/1/{decoder_step.onnx,decoder_step.onnx.data,model_spec.json,export_report.json,tokenizer}

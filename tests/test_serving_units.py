@@ -1,0 +1,128 @@
+"""The serving layer without Triton: request parsing, KV-pool admission, streaming detokenization."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from kvpop.engine import CacheConfig, GenerationRequest, SamplingParams
+from kvpop.model_spec import ModelSpec
+from kvpop.serving.admission import AdmissionPolicy, KVPoolAdmission
+from kvpop.serving.config import ServiceConfig
+from kvpop.serving.detokenizer import IncrementalDetokenizer
+from kvpop.serving.request import InvalidRequestError, parse_parameters, parse_request
+
+SPEC = ModelSpec("LlamaForCausalLM", num_layers=2, num_attention_heads=4, num_kv_heads=2, head_dim=16,
+                 vocab_size=320, dtype="float32", max_position_embeddings=4096)  # 512 bytes per slot
+
+
+def request(policy="full", budget=None, prompt=40, max_tokens=24, request_id="r"):
+    return GenerationRequest(request_id, list(range(3, 3 + prompt)), SamplingParams(max_tokens=max_tokens),
+                             CacheConfig(policy, budget=budget))
+
+
+def admission(slots: int, floor: int = 64, queue: int = 2) -> KVPoolAdmission:
+    return KVPoolAdmission(AdmissionPolicy(slots * SPEC.kv_bytes_per_token, floor, queue), SPEC)
+
+
+def test_admission_reserves_the_padded_batch_pool():
+    pool = admission(slots=1024)
+    assert pool.try_admit(request("streaming", 256, request_id="a")).slots == 256
+    assert pool.try_admit(request("streaming", 256, request_id="b")).slots == 256
+    assert pool.reserved_bytes == 2 * 256 * 512
+    # A third sequence of 320 slots pads every row to 320 (3 x 320 = 960 <= 1024) ...
+    assert pool.try_admit(request("h2o", 320, request_id="c")).slots == 320
+    # ... and a fourth of 64 would need 4 x 320 slots: it may not be degraded below 64, so it waits.
+    assert pool.try_admit(request("tova", 64, request_id="d")) is None
+    pool.release("c")
+    assert pool.try_admit(request("tova", 64, request_id="d")).slots == 64
+
+
+def test_full_cache_needs_prompt_plus_max_tokens_and_is_never_degraded():
+    pool = admission(slots=256)
+    assert pool.slots_needed(request("full", prompt=100, max_tokens=100)) == 256  # 200 rounded up to blocks
+    assert pool.try_admit(request("full", prompt=100, max_tokens=100, request_id="a")) is not None
+    assert pool.try_admit(request("full", prompt=10, max_tokens=10, request_id="b")) is None
+    assert not pool.fits_when_idle(request("full", prompt=300, max_tokens=10))
+
+
+def test_a_tight_pool_degrades_bounded_requests_down_to_the_floor():
+    pool = admission(slots=2048, floor=256)
+    pool.try_admit(request("streaming", 1024, request_id="holder"))
+    degraded = pool.try_admit(request("kvpop", 1500, request_id="big"))
+    assert degraded.degraded_from == 1500 and degraded.request.cache.budget == 1024
+    assert pool.try_admit(request("kvpop", 1500, request_id="another")) is None  # would fall below the floor
+
+
+def test_admission_respects_what_the_engine_really_holds():
+    pool = admission(slots=1024)
+    pool.observe_engine(1000 * SPEC.kv_bytes_per_token)  # finished rows not repacked away yet
+    assert pool.try_admit(request("streaming", 256)) is None
+    pool.observe_engine(900 * SPEC.kv_bytes_per_token)
+    assert pool.try_admit(request("streaming", 256, request_id="a")).slots == 64  # degraded to fit beside them
+    pool.observe_engine(0)
+    assert pool.try_admit(request("streaming", 256, request_id="b")).slots == 256
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_hf_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_hf_model_dir)
+
+
+def test_streamed_text_joins_to_the_decoded_text(tokenizer):
+    text = "KVpop keeps a fixed budget: ünïcödé ✓ 漢字 and emoji 🙂 survive streaming."
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    pieces = [detokenizer.push(token) for token in ids] + [detokenizer.flush()]
+    assert "".join(pieces) == tokenizer.decode(ids) == text
+    assert all("\ufffd" not in piece for piece in pieces)  # never a half character
+
+
+def inputs(**tensors):
+    return lambda name: None if name not in tensors else np.asarray(tensors[name])
+
+
+CONFIG = ServiceConfig(max_prompt_tokens=64, max_output_tokens=32, default_max_tokens=16, default_kv_budget=128)
+
+
+def parse(tokenizer, parameters=None, **tensors):
+    return parse_request("id", inputs(**tensors), parameters or {}, tokenizer, 320, CONFIG)
+
+
+def test_parse_builds_the_engine_request(tokenizer):
+    parsed = parse(tokenizer, text_input=np.array([b"Let a = 7."], dtype=object), max_tokens=np.array([5]),
+                   eviction_policy=np.array([b"kvpop"], dtype=object), temperature=np.array([0.5], np.float32),
+                   seed=np.array([7]), stream=np.array([True]))
+    generation = parsed.generation
+    assert generation.prompt_ids == tokenizer("Let a = 7.").input_ids
+    assert generation.sampling.max_tokens == 5 and generation.sampling.temperature == 0.5
+    assert generation.sampling.seed == 7 and parsed.stream
+    assert generation.cache.policy == "kvpop" and generation.cache.budget == 128  # the configured default
+
+
+def test_request_parameters_are_accepted_like_inputs(tokenizer):
+    parameters = parse_parameters('{"max_tokens": 3, "eviction_policy": "h2o", "kv_budget": 64, "stop": ["\\n"]}')
+    parsed = parse(tokenizer, parameters, input_ids=np.array([5, 6, 7]))
+    assert parsed.generation.sampling.max_tokens == 3 and parsed.generation.sampling.stop == ("\n",)
+    assert parsed.generation.cache.policy == "h2o" and parsed.generation.cache.budget == 64
+
+
+@pytest.mark.parametrize(
+    "tensors, message",
+    [
+        ({"input_ids": np.array([1.5, 2.0])}, "INT32 or INT64"),
+        ({"input_ids": np.arange(3, 100)}, "at most 64"),
+        ({"text_input": np.array([b"ok"], dtype=object), "top_k": np.array([2.5])}, "integer"),
+        ({"text_input": np.array([b"ok"], dtype=object), "seed": np.array([1, 2])}, "exactly one value"),
+        ({"text_input": np.array([b"ok"], dtype=object), "stop": np.array([b"\xff"], dtype=object)}, "UTF-8"),
+    ],
+)
+def test_parse_rejects_malformed_inputs(tokenizer, tensors, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        parse(tokenizer, **tensors)
+
+
+def test_parameters_must_be_json():
+    with pytest.raises(InvalidRequestError, match="JSON"):
+        parse_parameters("{not json")

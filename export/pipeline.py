@@ -10,6 +10,7 @@ from pathlib import Path
 from kvpop.model_spec import ModelSpec
 
 TOKENIZER_DIRNAME = "tokenizer"
+SCORER_DIRNAME = "scorer"  # where `make train-scorer` leaves scorer_<kind>.pt beside the HF model
 REPORT_FILENAME = "export_report.json"
 
 
@@ -57,7 +58,7 @@ def export_model(model_dir: Path, output_dir: Path) -> dict:
     from kvpop.decoder import DecoderStep
 
     model_dir, output_dir = Path(model_dir), Path(output_dir)
-    stage = _Stages(total=5)
+    stage = _Stages(total=6)
     stage(f"reading {model_dir}")
     if not (model_dir / "config.json").exists():
         raise ExportError(f"{model_dir} is not a Hugging Face model directory (no config.json)")
@@ -98,4 +99,26 @@ def export_model(model_dir: Path, output_dir: Path) -> dict:
     )
     if not parity.passed:
         raise ExportError(f"parity check failed: {parity.as_dict()} (report in {output_dir / REPORT_FILENAME})")
+
+    report["scorers"] = export_learned_scorers(model_dir / SCORER_DIRNAME, output_dir, stage)
+    (output_dir / REPORT_FILENAME).write_text(json.dumps(report, indent=2) + "\n")
+    failed = {name: result for name, result in report["scorers"].items() if not result["passed"]}
+    if failed:
+        raise ExportError(f"scorer parity failed: {failed}")
     return report
+
+
+def export_learned_scorers(scorer_dir: Path, output_dir: Path, stage) -> dict[str, dict]:
+    """The trained KVpop scorers beside the model (`make train-scorer`), as ONNX with parity checks."""
+    from kvpop.scorer.onnx_export import export_scorers
+
+    for stale in output_dir.glob("scorer_*"):
+        stale.unlink()
+    if not scorer_dir.is_dir():
+        stage(f"no trained KVpop scorer in {scorer_dir}: the kvpop policy will use its attention-based scorer")
+        return {}
+    stage(f"exporting the KVpop scorers in {scorer_dir}")
+    exports = export_scorers(scorer_dir, output_dir)
+    return {
+        export.onnx_path.name: {"max_abs_diff": export.max_abs_diff, "passed": export.passed} for export in exports
+    }

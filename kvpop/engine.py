@@ -21,10 +21,11 @@ import numpy as np
 
 from kvpop.cache import BatchSlotPool, SlotCache
 from kvpop.decoder import DecoderStep, StepOutput
-from kvpop.policies import POLICIES, EvictionPolicy, make_policy
+from kvpop.policies import POLICIES, EvictionPolicy, TokenScorer, make_policy
 from kvpop.sampling import Sampler, SamplingParams
 
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED = "stop", "length", "cancelled"
+LEARNED_SCORER_KINDS = ("mlstm", "mlp")  # exported as scorer_<kind>.onnx beside the decoder
 NO_TOKEN = -1  # token_id of an event that carries no token (a cancellation)
 
 
@@ -48,7 +49,7 @@ class CacheConfig:
     sinks: int = 4
     window: int = 64
     seed: int = 0  # random policy
-    scorer: str = "accumulated_attention"  # kvpop policy
+    scorer: str = "accumulated_attention"  # kvpop policy: a built-in scorer, or a learned one ("mlstm", "mlp")
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -64,7 +65,8 @@ class CacheConfig:
             raise ValueError(f"compression must be in [0, 1), got {self.compression!r}")
         if self.sinks < 0 or self.window < 0:
             raise ValueError(f"sinks and window must be >= 0, got sinks={self.sinks} window={self.window}")
-        self.build_policy()  # fails here, with the policy's own message, on bad options
+        if self.scorer not in LEARNED_SCORER_KINDS:
+            self.build_policy()  # fails here, with the policy's own message, on bad options
 
     def resolve_budget(self, prompt_tokens: int, max_tokens: int) -> int | None:
         """Slots per head for a request of this size; None for the unbounded full cache."""
@@ -74,8 +76,17 @@ class CacheConfig:
             return None
         return max(1, math.ceil((1.0 - self.compression) * (prompt_tokens + max_tokens)))
 
-    def build_policy(self) -> EvictionPolicy:
-        return make_policy(self.policy, sinks=self.sinks, window=self.window, seed=self.seed, scorer=self.scorer)
+    def build_policy(self, learned_scorers: dict[str, TokenScorer] | None = None) -> EvictionPolicy:
+        """The policy instance; a learned scorer's name resolves to the engine's loaded network, whose
+        protected window is the one it was trained for."""
+        scorer, window = self.scorer, self.window
+        if scorer in LEARNED_SCORER_KINDS:
+            if self.policy == "kvpop" and scorer not in (learned_scorers or {}):
+                available = sorted(learned_scorers or {}) or "none: export the model after `make train-scorer`"
+                raise ValueError(f"no learned kvpop scorer {scorer!r} in this model (available: {available})")
+            scorer = (learned_scorers or {}).get(scorer, "accumulated_attention")
+            window = getattr(scorer, "window", window)
+        return make_policy(self.policy, sinks=self.sinks, window=window, seed=self.seed, scorer=scorer)
 
 
 @dataclass
@@ -125,6 +136,13 @@ class _Sequence:
     matched_stop: str | None = None
 
 
+def load_learned_scorers(model_dir: Path) -> dict[str, TokenScorer]:
+    """The KVpop scorers exported beside the decoder (`scorer_<kind>.onnx`), by kind."""
+    from kvpop.scorer.runtime import LearnedScorer, ScorerRuntime
+
+    return {kind: LearnedScorer.load(model_dir, kind) for kind in ScorerRuntime.available(model_dir)}
+
+
 class Engine:
     def __init__(
         self,
@@ -132,6 +150,7 @@ class Engine:
         tokenizer: Tokenizer | None = None,
         max_batch_size: int = 8,
         prefill_chunk: int = 256,
+        learned_scorers: dict[str, TokenScorer] | None = None,
     ) -> None:
         if max_batch_size < 1 or prefill_chunk < 1:
             raise ValueError(f"max_batch_size and prefill_chunk must be >= 1, got {max_batch_size}, {prefill_chunk}")
@@ -140,6 +159,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.prefill_chunk = prefill_chunk
+        self.learned_scorers = learned_scorers or {}  # kind -> scorer shared by this engine's sequences
         self._lock = threading.Lock()  # guards _waiting, _cancelled, _finished, _request_ids
         self._waiting: deque[GenerationRequest] = deque()
         self._cancelled: set[str] = set()
@@ -154,6 +174,7 @@ class Engine:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(Path(model_dir) / "tokenizer")
+        options.setdefault("learned_scorers", load_learned_scorers(model_dir))
         return cls(DecoderStep(model_dir, device=device), tokenizer=tokenizer, **options)
 
     # -- public API (add_request / cancel / result are safe from other threads) -------------------
@@ -168,6 +189,11 @@ class Engine:
                 f"request {request.request_id!r}: prompt of {len(request.prompt_ids)} tokens does not fit "
                 f"the model's {self.spec.max_position_embeddings} positions"
             )
+        cache = request.cache
+        if cache.policy == "kvpop" and cache.scorer in LEARNED_SCORER_KINDS and cache.scorer not in self.learned_scorers:
+            available = sorted(self.learned_scorers) or "none: export the model after `make train-scorer`"
+            raise ValueError(f"request {request.request_id!r}: no learned kvpop scorer {cache.scorer!r} "
+                             f"in this model (available: {available})")
         if request.sampling.stop and self.tokenizer is None:
             raise ValueError(f"request {request.request_id!r}: stop strings need an engine with a tokenizer")
         with self._lock:
@@ -243,7 +269,10 @@ class Engine:
         """Feed the prompt in chunks (evicting between chunks, so memory stays bounded); sample token 1."""
         prompt = np.asarray(request.prompt_ids, dtype=np.int64)
         budget = request.cache.resolve_budget(len(prompt), request.sampling.max_tokens)
-        cache = SlotCache(self.spec, request.cache.build_policy(), budget)
+        # A bounded cache takes its whole storage now: it never grows after joining the batch pool,
+        # so its memory is exactly what admission reserved (never more than the tokens it will see).
+        reserved = 0 if budget is None else min(budget, len(prompt) + request.sampling.max_tokens)
+        cache = SlotCache(self.spec, request.cache.build_policy(self.learned_scorers), budget, initial_capacity=reserved)
         # A bounded cache takes at most `budget` tokens per chunk, so no query ever sees more than
         # budget cached + budget new tokens (a larger chunk would flatter the policy).
         chunk_size = self.prefill_chunk if budget is None else min(self.prefill_chunk, budget)

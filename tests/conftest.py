@@ -1,4 +1,5 @@
-"""Shared fixtures: one tiny random Llama, built and exported once per test session (~10 s)."""
+"""Shared fixtures: one tiny random Llama with a briefly trained KVpop scorer, built and exported once
+per test session (~20 s)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,12 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_hf_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from export.tiny_model import build_tiny_llama
+    from kvpop.scorer.train import main as train_scorer
 
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "hf")
+    model_dir = build_tiny_llama(tmp_path_factory.mktemp("tiny") / "hf")
+    # A few steps are enough to exercise the learned scorer end to end (not to make it good).
+    train_scorer(["--model", str(model_dir), "--steps", "30", "--num-texts", "8", "--max-tokens", "256", "--threads", "1"])
+    return model_dir
 
 
 @pytest.fixture(scope="session")

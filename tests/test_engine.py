@@ -172,7 +172,7 @@ def test_bounded_memory_is_flat_in_generated_length(decoder):
         (lambda: CacheConfig(policy="full", budget=4), "neither budget nor compression"),
         (lambda: CacheConfig(policy="tova", compression=1.0), r"compression must be in \[0, 1\)"),
         (lambda: CacheConfig(policy="tova", budget=0), "positive whole number"),
-        (lambda: CacheConfig(policy="kvpop", budget=8, scorer="mlp"), "unknown kvpop scorer"),
+        (lambda: CacheConfig(policy="kvpop", budget=8, scorer="lstm"), "unknown kvpop scorer"),
         (lambda: SamplingParams(temperature=-1), "temperature"),
         (lambda: SamplingParams(top_p=0.0), "top_p"),
         (lambda: SamplingParams(max_tokens=0), "max_tokens"),
@@ -211,3 +211,23 @@ def test_quality_harness_single_run_and_sweep(tiny_onnx_model_dir, tmp_path):
     assert [(row["policy"], row["compression"]) for row in summary] == [("full", 0.0), ("streaming", 0.0), ("streaming", 0.75), ("kvpop", 0.0), ("kvpop", 0.75)]
     assert (tmp_path / "sweep" / "accuracy_vs_compression.png").stat().st_size > 0
     assert "| kvpop |" in (tmp_path / "sweep" / "sweep.md").read_text()
+
+
+@pytest.mark.parametrize("kind", ["mlstm", "mlp"])
+def test_learned_scorers_load_with_the_model_and_bound_the_cache(tiny_onnx_model_dir, hf_greedy, kind):
+    engine = Engine.from_model_dir(tiny_onnx_model_dir, prefill_chunk=4)
+    assert set(engine.learned_scorers) == {"mlstm", "mlp"}
+    roomy = CacheConfig(policy="kvpop", budget=64, scorer=kind)
+    results = engine.generate([GenerationRequest(f"{kind}-{i}", p, SamplingParams(max_tokens=NEW_TOKENS), roomy)
+                               for i, p in enumerate(PROMPTS)])
+    assert [result.output_ids for result in results] == hf_greedy
+    tight = CacheConfig(policy="kvpop", budget=12, sinks=2, scorer=kind)
+    results = engine.generate([GenerationRequest(f"{kind}-tight-{i}", p, SamplingParams(max_tokens=NEW_TOKENS), tight)
+                               for i, p in enumerate(PROMPTS)])
+    assert all(result.budget == 12 and result.tokens_evicted == result.tokens_seen - 12 for result in results)
+
+
+def test_a_learned_scorer_the_model_lacks_is_refused_at_add(decoder):
+    engine = Engine(decoder)  # no learned scorers loaded
+    with pytest.raises(ValueError, match="no learned kvpop scorer 'mlstm'"):
+        engine.add_request(GenerationRequest("x", [0, 1], cache=CacheConfig(policy="kvpop", budget=8, scorer="mlstm")))

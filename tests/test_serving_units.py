@@ -17,7 +17,7 @@ SPEC = ModelSpec("LlamaForCausalLM", num_layers=2, num_attention_heads=4, num_kv
                  vocab_size=320, dtype="float32", max_position_embeddings=4096)  # 512 bytes per slot
 
 
-def request(policy="full", budget=None, prompt=40, max_tokens=24, request_id="r"):
+def request(policy="full", budget=None, prompt=40, max_tokens=2000, request_id="r"):
     return GenerationRequest(request_id, list(range(3, 3 + prompt)), SamplingParams(max_tokens=max_tokens),
                              CacheConfig(policy, budget=budget))
 

@@ -69,10 +69,10 @@ class KVPoolAdmission:
 
     @staticmethod
     def slots_needed(request: GenerationRequest) -> int:
+        tokens = len(request.prompt_ids) + request.sampling.max_tokens
         budget = request.cache.resolve_budget(len(request.prompt_ids), request.sampling.max_tokens)
-        if budget is None:  # the full cache holds every token it sees
-            budget = len(request.prompt_ids) + request.sampling.max_tokens
-        return _round_up(budget)
+        # The full cache holds every token it sees; a bounded one never more than that either.
+        return _round_up(tokens if budget is None else min(budget, tokens))
 
     def observe_engine(self, bytes_in_use: int) -> None:
         self.engine_bytes = bytes_in_use

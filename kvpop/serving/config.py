@@ -13,6 +13,7 @@ from typing import Any
 @dataclass(frozen=True)
 class ServiceConfig:
     default_policy: str = "full"  # eviction policy when a request names none
+    kvpop_scorer: str = "auto"  # the kvpop policy's scorer: auto (learned mLSTM when exported), mlstm, mlp, accumulated_attention
     default_kv_budget: int = 512  # slots per head for a bounded policy when a request names no budget
     max_prompt_tokens: int = 4096  # longer prompts are rejected with an invalid-argument error
     max_output_tokens: int = 1024  # upper bound for a request's max_tokens
@@ -38,7 +39,12 @@ class ServiceConfig:
                 f"parameter default_max_tokens ({self.default_max_tokens}) exceeds max_output_tokens "
                 f"({self.max_output_tokens})"
             )
-        from kvpop.policies import POLICIES
+        from kvpop.engine import LEARNED_SCORER_KINDS
+        from kvpop.policies import POLICIES, SCORERS
+
+        scorers = ["auto", *LEARNED_SCORER_KINDS, *SCORERS]
+        if self.kvpop_scorer not in scorers:
+            raise ValueError(f"parameter kvpop_scorer {self.kvpop_scorer!r} is not one of {scorers}")
 
         if self.default_policy not in POLICIES:
             raise ValueError(f"parameter default_policy {self.default_policy!r} is not one of {sorted(POLICIES)}")

@@ -98,6 +98,7 @@ def parse_request(
     tokenizer,
     vocab_size: int,
     config: ServiceConfig,
+    kvpop_scorer: str = "accumulated_attention",
 ) -> ParsedRequest:
     """Validate inputs and build the engine request. `get_input(name)` returns a numpy array or None."""
     text = get_input("text_input")
@@ -161,7 +162,7 @@ def parse_request(
                 raise InvalidRequestError("eviction_policy 'full' keeps every token: omit kv_budget and compression_ratio")
         elif budget is None and compression is None:
             budget = config.default_kv_budget
-        cache = CacheConfig(policy=policy, budget=budget, compression=compression)
+        cache = CacheConfig(policy=policy, budget=budget, compression=compression, scorer=kvpop_scorer)
     except ValueError as error:
         raise InvalidRequestError(str(error)) from None
     generation = GenerationRequest(request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, cache=cache)

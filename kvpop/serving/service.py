@@ -14,7 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from kvpop.decoder import DecoderStep
-from kvpop.engine import Engine
+from kvpop.engine import Engine, load_learned_scorers
 from kvpop.policies import POLICIES
 from kvpop.serving.admission import AdmissionPolicy, KVPoolAdmission
 from kvpop.serving.config import ServiceConfig
@@ -49,6 +49,12 @@ class KVpopService:
         self.placement = placement
         self.decoder = DecoderStep(model_dir, placement.device, placement.device_id, threads=config.ort_threads or None)
         self.tokenizer = AutoTokenizer.from_pretrained(Path(model_dir) / TOKENIZER_DIRNAME)
+        self.learned_scorers = load_learned_scorers(model_dir)
+        self.kvpop_scorer = config.kvpop_scorer
+        if self.kvpop_scorer == "auto":
+            self.kvpop_scorer = "mlstm" if "mlstm" in self.learned_scorers else "accumulated_attention"
+        elif self.kvpop_scorer not in self.learned_scorers and self.kvpop_scorer in ("mlstm", "mlp"):
+            raise ValueError(f"parameter kvpop_scorer {self.kvpop_scorer!r}: not exported with this model")
         admission = KVPoolAdmission(
             AdmissionPolicy(config.kv_pool_mb * 2**20, config.min_kv_budget, config.max_queue_size), self.decoder.spec
         )
@@ -61,6 +67,7 @@ class KVpopService:
             tokenizer=self.tokenizer,
             max_batch_size=self.config.max_running_sequences,
             prefill_chunk=self.config.prefill_chunk_tokens,
+            learned_scorers=self.learned_scorers,
         )
 
     @property
@@ -82,7 +89,9 @@ class KVpopService:
         OverloadedError for this request alone."""
         # Client ids are neither unique nor trusted: the engine gets its own.
         request_id = f"{next(self._ids)}:{client_request_id[:64]}"
-        parsed = parse_request(request_id, get_input, parameters, self.tokenizer, self.decoder.spec.vocab_size, self.config)
+        parsed = parse_request(
+            request_id, get_input, parameters, self.tokenizer, self.decoder.spec.vocab_size, self.config, self.kvpop_scorer
+        )
         self.worker.submit(parsed, channel)
 
     def shutdown(self) -> None:

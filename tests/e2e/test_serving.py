@@ -126,7 +126,8 @@ def test_overload_is_rejected_clearly_and_queued_requests_complete(triton_server
 def test_tight_pool_degrades_the_budget_down_to_the_floor(kvpop_grpc):
     stream, _ = hold_kv_memory(kvpop_grpc, kv_budget=512)
     try:
-        result = kvpop_grpc.generate(LONG_PROMPT, max_tokens=8, eviction_policy="kvpop", kv_budget=1500)
+        # Needs min(1500, 40 + 1500) slots per head: more than the 2048-slot pool has beside the holder.
+        result = kvpop_grpc.generate(LONG_PROMPT, max_tokens=1500, eviction_policy="kvpop", kv_budget=1500)
     finally:
         stream.close()
     assert result.kv_budget == 1024  # 2 sequences x 1024 slots fill the 2048-slot pool exactly

@@ -68,7 +68,10 @@ class TritonPythonModel:
         metrics = ServiceMetrics(
             pb_utils, args["model_name"], placement.label, config.kv_pool_mb * 2**20, KVpopService.policies()
         )
-        self.service = KVpopService(version_dir, config, placement, metrics)
+        try:
+            self.service = KVpopService(version_dir, config, placement, metrics)
+        except ValueError as error:
+            raise pb_utils.TritonModelException(f"{args['model_name']}: {error}") from None
         self.metrics = metrics
         self.output_dtypes = {
             output["name"]: pb_utils.triton_string_to_numpy(output["data_type"]) for output in model_config["output"]

@@ -14,10 +14,11 @@ CONFIG ?= auto
 PID_FILE := run/tritonserver.pid
 
 .PHONY: help setup export serve serve-bg stop test test-unit test-e2e clean reference-model eval-reference \
-	train-scorer tasks eval-sweep speed speed-quick loadtest
+	train-scorer tasks eval-sweep kvpress-env eval-kvpress speed speed-quick loadtest
 
 REFERENCE := models/reference
 TASKS_FILE := build/tasks/test-512.jsonl
+QUALITY_DIR ?= docs/quality
 USERS ?= 16
 DURATION ?= 60s
 PROTOCOL ?= http
@@ -77,7 +78,28 @@ tasks: setup  ## write the reference test split (512-token contexts) to build/ta
 	$(PY) -m kvpop.tasks write --split test --num 200 --context-tokens 512 --out $(TASKS_FILE)
 
 eval-sweep: tasks  ## every policy x compression 0-94% on the test split: docs/quality/ (JSON, markdown, plot)
-	$(PY) -m kvpop.eval --model model_repository/kvpop_engine/1 --tasks $(TASKS_FILE) --sweep --out-dir docs/quality
+	$(PY) -m kvpop.eval --model model_repository/kvpop_engine/1 --tasks $(TASKS_FILE) --sweep --out-dir $(QUALITY_DIR)
+	@test ! -f $(KVPRESS_OUT) || $(PY) -m benchmarks.kvpress_compare merge --kvpress $(KVPRESS_OUT) --sweep-dir $(QUALITY_DIR)
+
+# NVIDIA kvpress as an outside peer, in its own environment (it pins transformers<5.3 and numpy 2).
+KVPRESS_VENV := .venv-kvpress
+KVPRESS_PY := $(KVPRESS_VENV)/bin/python
+KVPRESS_STAMP := $(KVPRESS_VENV)/.kvpress-setup
+KVPRESS_OUT ?= $(QUALITY_DIR)/kvpress.json
+KVPRESS_ARGS ?=
+
+kvpress-env: $(KVPRESS_STAMP)  ## create .venv-kvpress for the kvpress comparison (its own pins)
+
+$(KVPRESS_STAMP): requirements/kvpress.txt
+	@test -x $(KVPRESS_PY) || $(PYTHON) -m venv $(KVPRESS_VENV)
+	$(KVPRESS_PY) -m pip install --quiet --disable-pip-version-check -r requirements/kvpress.txt
+	@touch $@
+
+eval-kvpress: kvpress-env tasks  ## kvpress presses on MODEL (default: reference) x the test split, merged into docs/quality (after eval-sweep)
+	@test -f $(QUALITY_DIR)/sweep.json || { echo "no $(QUALITY_DIR)/sweep.json: run 'make eval-sweep' first"; exit 1; }
+	$(KVPRESS_PY) -m benchmarks.kvpress_compare run --model $(or $(MODEL),$(REFERENCE)) --tasks $(TASKS_FILE) \
+		--out $(KVPRESS_OUT) $(KVPRESS_ARGS)
+	$(PY) -m benchmarks.kvpress_compare merge --kvpress $(KVPRESS_OUT) --sweep-dir $(QUALITY_DIR)
 
 speed: setup  ## decode speed and memory vs context length, full vs bounded vs HF generate: docs/benchmarks/
 	$(PY) -m benchmarks.speed --out-dir docs/benchmarks

@@ -152,6 +152,8 @@ class TritonServer:
     def start(self) -> "TritonServer":
         installation = find_tritonserver()
         prepare_python_backend_stub()
+        if self.log_file:
+            Path(self.log_file).parent.mkdir(parents=True, exist_ok=True)
         output = open(self.log_file, "ab") if self.log_file else None
         self.process = subprocess.Popen(
             self.command(installation),

@@ -1,0 +1,384 @@
+"""Side by side with an outside peer: NVIDIA kvpress presses on the same HF model and tasks, as rows
+for the quality table of `kvpop.eval --sweep`.
+
+Two steps in two environments, because kvpress 0.5.5 pins transformers<5.3 and numpy 2 while the
+engine keeps numpy<2:
+
+    # in .venv-kvpress (make kvpress-env): greedy generation under every press -> kvpress.json
+    python -m benchmarks.kvpress_compare run --model models/reference --tasks build/tasks/test-512.jsonl \
+        --out build/kvpress/kvpress.json
+    # in .venv: merge the rows into an existing sweep (sweep.json, sweep.md, plot regenerated with
+    # kvpop.eval's own table and plot)
+    python -m benchmarks.kvpress_compare merge --kvpress build/kvpress/kvpress.json --sweep-dir docs/quality
+
+What runs (kvpress's own classes, read from its 0.5.5 source, not re-implemented):
+- `kvpress:NAME`: the press at `compression_ratio=r` during prefill, kvpress's native use. It
+  prunes r of the PROMPT once, after every prompt token was seen with full attention, and keeps
+  every generated token.
+- `kvpress:NAME+decoding`: `PrefillDecodingPress` holding the cache at the engine's budget for the
+  same r, B = ceil((1 - r) * (prompt + max_tokens)) slots per head (`CacheConfig.resolve_budget`):
+  the prefill press prunes the prompt to the budget, then `DecodingPress` (same scorer) prunes back
+  every `interval` generated tokens, so no query ever sees more than B cached tokens plus itself.
+
+Compression. The project's is 1 - budget / tokens seen (prompt + generated tokens whose keys
+entered the cache), and its sweep targets r over prompt + max_tokens. kvpress's `compression_ratio`
+is a fraction of the prompt only: keeping (1 - r) P of P prompt tokens and all G generated ones is
+1 - ((1 - r) P + G) / (P + G) = r P / (P + G) in the project's terms, less than r. Every row
+carries both: `prompt_compression` (kvpress's) and `compression_achieved` (the project's, measured
+at the end of each generation as the engine does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+COMPRESSIONS = (0.5, 0.75, 0.88, 0.94)  # kvpop.eval.SWEEP_COMPRESSIONS without the full cache at 0
+PRESS_NAMES = ("streaming_llm", "snapkv", "expected_attention", "knorm")
+VARIANTS = ("prefill", "decoding")
+SINKS = 4  # the engine's default CacheConfig.sinks; StreamingLLM and ExpectedAttention keep as many
+
+
+@dataclass(frozen=True)
+class PressSpec:
+    """How one kvpress scorer is built for prefill and for decoding.
+
+    Query-based scorers score from the buffered hidden states of the last `decoding_interval`
+    generated tokens, so they need that buffer longer than their own window (SnapKV's observation
+    window, ExpectedAttention's sinks); key-only scorers prune every step.
+    """
+
+    class_name: str
+    decoding_interval: int
+    prefill_options: dict[str, Any] = field(default_factory=dict)
+    decoding_options: dict[str, Any] = field(default_factory=dict)
+
+    def build(self, kvpress: Any, phase: str, compression_ratio: float = 0.0) -> Any:
+        options = self.prefill_options if phase == "prefill" else self.decoding_options
+        return getattr(kvpress, self.class_name)(compression_ratio=compression_ratio, **options)
+
+
+PRESSES: dict[str, PressSpec] = {
+    "streaming_llm": PressSpec("StreamingLLMPress", 1, {"n_sink": SINKS}, {"n_sink": SINKS}),
+    "snapkv": PressSpec("SnapKVPress", 16, {}, {"window_size": 8}),  # prefill window: kvpress's 64
+    "expected_attention": PressSpec("ExpectedAttentionPress", 16, {"n_sink": SINKS}, {"n_sink": SINKS}),
+    "knorm": PressSpec("KnormPress", 1),
+}
+
+
+# --- run (in .venv-kvpress) ---------------------------------------------------------------------
+
+
+def load_tasks(path: Path, limit: int | None) -> list[dict]:
+    """The same JSONL kvpop.eval reads (kvpop.eval itself imports the engine, which needs numpy<2)."""
+    tasks = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    missing = [number for number, task in enumerate(tasks, start=1) if "prompt" not in task or "answer" not in task]
+    if missing or not tasks:
+        raise ValueError(f"{path}: every line needs 'prompt' and 'answer' (bad lines: {missing[:5]}, tasks: {len(tasks)})")
+    return tasks[:limit] if limit else tasks
+
+
+def encode(tokenizer: Any, prompt: str) -> list[int]:
+    """As kvpop.eval.encode: the tokenizer's ids with BOS first."""
+    ids = list(tokenizer(prompt)["input_ids"])
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return ids if bos is None or (ids and ids[0] == bos) else [bos, *ids]
+
+
+def engine_budget(compression: float, prompt_tokens: int, max_tokens: int) -> int:
+    """kvpop.engine.CacheConfig.resolve_budget for a compression target."""
+    return max(1, math.ceil((1.0 - compression) * (prompt_tokens + max_tokens)))
+
+
+def ratio_keeping(kept: int, length: int) -> float:
+    """The compression_ratio with which a ScorerPress keeps exactly `kept` of `length` tokens
+    (it keeps int(length * (1 - ratio)))."""
+    return 0.0 if kept >= length else 1.0 - (kept + 0.5) / length
+
+
+@dataclass
+class Generation:
+    output_ids: list[int]
+    prompt_tokens: int
+    kept_after_prefill: int  # cache length once the prefill press has pruned the prompt
+    final_cache: int  # cache length after the last forward
+    peak_cache: int  # largest cache length held between forwards
+    budget: int | None  # the +decoding variant's cap (engine budget); None when generated tokens are all kept
+
+    @property
+    def tokens_seen(self) -> int:
+        # As the engine counts: the last sampled token is never fed, so its key never enters the cache.
+        return self.prompt_tokens + len(self.output_ids) - 1
+
+
+class PressRunner:
+    """Greedy generation of one task under one press, as kvpress's own pipeline does it (prefill the
+    whole prompt inside the press's context manager, then feed one token at a time with explicit
+    position ids, since a pruned cache no longer tells the true position), minus the pipeline's
+    context/question split: the engine sees the question as part of the prompt, so the presses do too."""
+
+    def __init__(self, model_dir: Path, max_tokens: int):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.max_tokens = max_tokens
+        eos = self.model.generation_config.eos_token_id
+        eos = eos if isinstance(eos, list) else [eos]
+        self.eos_ids = {token for token in [*eos, self.tokenizer.eos_token_id] if token is not None}
+        config = self.model.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        # Key + value bytes of one token across every layer and KV head (float32).
+        self.token_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4
+
+    def generate(self, prompt_ids: list[int], press: Any, budget: int | None) -> Generation:
+        import contextlib
+
+        from transformers import DynamicCache
+
+        torch = self.torch
+        cache = DynamicCache()
+        output_ids: list[int] = []
+        with torch.inference_mode(), press(self.model) if press is not None else contextlib.nullcontext():
+            input_ids = torch.tensor([prompt_ids])
+            logits = self.model(input_ids=input_ids, past_key_values=cache, logits_to_keep=1).logits
+            kept_after_prefill = peak = cache.get_seq_length()
+            position = len(prompt_ids)
+            while True:
+                token = int(logits[0, -1].argmax())
+                output_ids.append(token)
+                if token in self.eos_ids or len(output_ids) >= self.max_tokens:
+                    break
+                logits = self.model(
+                    input_ids=torch.tensor([[token]]),
+                    past_key_values=cache,
+                    position_ids=torch.tensor([[position]]),
+                ).logits
+                position += 1
+                peak = max(peak, cache.get_seq_length())
+        return Generation(output_ids, len(prompt_ids), kept_after_prefill, cache.get_seq_length(), peak, budget)
+
+
+def build_press(kvpress: Any, name: str, variant: str, compression: float, prompt_tokens: int, max_tokens: int) -> tuple[Any, int | None]:
+    """The press for one task (the +decoding budget depends on the prompt's length) and its budget."""
+    spec = PRESSES[name]
+    if variant == "prefill":
+        return spec.build(kvpress, "prefill", compression), None
+    budget = engine_budget(compression, prompt_tokens, max_tokens)
+    # Between two prunings `interval - 1` generated tokens pile up; keeping that much less leaves
+    # every query at most `budget` cached tokens plus itself.
+    target = budget - spec.decoding_interval + 1
+    if target < 1:
+        raise ValueError(f"{name}: budget {budget} is smaller than the decoding interval {spec.decoding_interval}")
+    press = kvpress.PrefillDecodingPress(
+        prefilling_press=spec.build(kvpress, "prefill", ratio_keeping(target, prompt_tokens)),
+        decoding_press=kvpress.DecodingPress(
+            base_press=spec.build(kvpress, "decoding"),
+            compression_interval=spec.decoding_interval,
+            target_size=target,
+        ),
+    )
+    return press, budget
+
+
+def summarize(policy: str, variant: str, compression: float, records: list[dict], seconds: float, token_bytes: int) -> dict:
+    count = len(records)
+
+    def mean(key: str) -> float:
+        return sum(record[key] for record in records) / count
+
+    return {
+        "policy": policy,
+        "compression": compression,
+        "accuracy": mean("correct"),
+        "compression_achieved": mean("compression"),
+        "mean_budget": mean("peak_cache"),
+        "max_peak_kv_bytes": max(record["peak_cache"] for record in records) * token_bytes,
+        "generated_tokens_per_s": sum(record["output_tokens"] for record in records) / seconds,
+        "tasks": count,
+        "prompt_compression": mean("prompt_compression"),
+        "variant": variant,
+        "seconds": seconds,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    import transformers
+    from tqdm import tqdm
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    torch.set_num_threads(args.threads)
+    import kvpress
+
+    from kvpop.tasks import exact_match  # pure Python: imports cleanly beside numpy 2
+
+    tasks = load_tasks(args.tasks, args.limit)
+    runner = PressRunner(args.model, args.max_tokens)
+    prompts = [encode(runner.tokenizer, task["prompt"]) for task in tasks]
+    names = [name.strip() for name in args.presses.split(",") if name.strip()]
+    variants = [variant.strip() for variant in args.variants.split(",") if variant.strip()]
+    compressions = [float(ratio) for ratio in args.compressions.split(",")]
+    unknown = sorted(set(names) - set(PRESSES)) + sorted(set(variants) - set(VARIANTS))
+    if unknown or not all(0.0 < ratio < 1.0 for ratio in compressions):
+        raise SystemExit(f"unknown presses/variants {unknown} (known: {', '.join(PRESSES)}; {', '.join(VARIANTS)}) "
+                         f"or a compression outside (0, 1): {compressions}")
+
+    configs = [(None, "full", 0.0)] + [(name, variant, ratio) for name in names for variant in variants for ratio in compressions]
+    progress = tqdm(total=len(configs) * len(tasks), unit="task", dynamic_ncols=True, file=sys.stderr)
+    results, full_details, full_accuracy = [], [], 0.0
+    for name, variant, ratio in configs:
+        policy = "kvpress:full" if name is None else f"kvpress:{name}" + ("+decoding" if variant == "decoding" else "")
+        progress.set_description(f"{policy} @ {ratio:.0%}")
+        records, start = [], time.perf_counter()
+        for task, prompt_ids in zip(tasks, prompts):
+            press, budget = (None, None) if name is None else build_press(kvpress, name, variant, ratio, len(prompt_ids), args.max_tokens)
+            generation = runner.generate(prompt_ids, press, budget)
+            if budget is not None and generation.peak_cache > budget:
+                raise RuntimeError(f"{policy} @ {ratio}: held {generation.peak_cache} tokens over the budget {budget}")
+            text = runner.tokenizer.decode(generation.output_ids, skip_special_tokens=True)
+            records.append({
+                "correct": bool(exact_match(text, str(task["answer"]))),
+                "compression": 1.0 - generation.final_cache / generation.tokens_seen,
+                "prompt_compression": 1.0 - generation.kept_after_prefill / generation.prompt_tokens,
+                "peak_cache": generation.peak_cache,
+                "output_tokens": len(generation.output_ids),
+            })
+            if name is None:
+                full_details.append({"index": task.get("index", len(full_details)), "answer": str(task["answer"]),
+                                     "generated": text, "correct": records[-1]["correct"]})
+            progress.update()
+            progress.set_postfix(accuracy=f"{sum(r['correct'] for r in records) / len(records):.3f}")
+        row = summarize(policy, variant, ratio, records, time.perf_counter() - start, runner.token_bytes)
+        if name is None:
+            full_accuracy = row["accuracy"]
+        else:
+            row["press_first_task"] = repr(build_press(kvpress, name, variant, ratio, len(prompts[0]), args.max_tokens)[0])
+            if variant == "decoding":
+                row["decoding_interval"] = PRESSES[name].decoding_interval
+            results.append(row)
+        tqdm.write(f"{policy} @ {ratio:.0%}: accuracy {row['accuracy']:.3f}, "
+                   f"compression achieved {row['compression_achieved']:.1%} (prompt {row['prompt_compression']:.1%})", file=sys.stderr)
+    progress.close()
+
+    zero_rows = [
+        {"policy": policy, "compression": 0.0, "accuracy": full_accuracy, "compression_achieved": 0.0,
+         "tasks": len(tasks), "note": "no eviction at 0%: the full cache (HF torch, this environment)"}
+        for policy in dict.fromkeys(row["policy"] for row in results)
+    ]
+    report = {
+        "kvpress_version": _version("kvpress"),
+        "transformers_version": transformers.__version__,
+        "torch_version": torch.__version__,
+        "model": str(args.model),
+        "tasks_file": str(args.tasks),
+        "tasks_sha256": hashlib.sha256(Path(args.tasks).read_bytes()).hexdigest(),
+        "tasks": len(tasks),
+        "scoring": "final_answer",
+        "max_tokens": args.max_tokens,
+        "full_accuracy_hf": full_accuracy,
+        "definitions": {
+            "compression": "the sweep's target r; for kvpress:NAME kvpress's compression_ratio on the prompt, "
+                           "for kvpress:NAME+decoding the engine's budget ceil((1-r)(prompt+max_tokens)) held throughout",
+            "compression_achieved": "1 - cached tokens / tokens seen (prompt + generated tokens fed), at the end, as the engine reports",
+            "prompt_compression": "1 - prompt tokens kept after the prefill press / prompt tokens (kvpress's compression_ratio)",
+            "mean_budget": "mean over tasks of the largest cache length held between forward passes",
+            "max_peak_kv_bytes": "that largest length x key+value bytes per token over all layers and KV heads (float32); "
+                                 "the prefill itself briefly holds the whole prompt in the layer being pruned",
+            "generated_tokens_per_s": "HF torch eager decoding, batch 1, in .venv-kvpress: not comparable with the engine's",
+        },
+        "full_hf_rows": full_details,
+        "results": [*zero_rows, *results],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}: {len(results)} kvpress rows, HF full-cache accuracy {full_accuracy:.3f} on {len(tasks)} tasks")
+    return 0
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
+
+
+# --- merge (in .venv) ---------------------------------------------------------------------------
+
+
+def merge(kvpress_json: Path, sweep_dir: Path) -> list[dict]:
+    """Replace any kvpress rows of `sweep_dir/sweep.json` by those of `kvpress_json`, then rewrite
+    sweep.md and the plot with kvpop.eval's own table and plot."""
+    from kvpop.eval import markdown_table, plot_sweep
+
+    sweep_path = sweep_dir / "sweep.json"
+    sweep = json.loads(sweep_path.read_text())
+    peer = json.loads(kvpress_json.read_text())
+    if peer["tasks"] != sweep["tasks"] or peer["scoring"] != sweep["scoring"]:
+        print(f"warning: kvpress ran {peer['tasks']} tasks ({peer['scoring']}), the sweep {sweep['tasks']} ({sweep['scoring']})",
+              file=sys.stderr)
+    summary = [row for row in sweep["results"] if not row["policy"].startswith("kvpress:")] + peer["results"]
+    compressions = tuple(sorted({row["compression"] for row in summary}))
+    engine_full = next(row["accuracy"] for row in summary if row["policy"] == "full")
+    sweep["results"] = summary
+    sweep["kvpress"] = {key: peer[key] for key in ("kvpress_version", "transformers_version", "torch_version", "model",
+                                                    "tasks_file", "tasks_sha256", "max_tokens", "full_accuracy_hf", "definitions")}
+    sweep_path.write_text(json.dumps(sweep, indent=2) + "\n")
+    note = (
+        f"\nkvpress {peer['kvpress_version']} rows (`benchmarks/kvpress_compare.py`, HF torch, greedy): `kvpress:NAME` prunes "
+        "the given fraction of the prompt once after prefill and keeps every generated token; `kvpress:NAME+decoding` "
+        "holds the engine's budget for the same compression with PrefillDecodingPress + DecodingPress. "
+        f"Full cache: engine {engine_full:.3f}, HF torch {peer['full_accuracy_hf']:.3f}. "
+        "Compression actually reached (1 - cached / tokens seen):\n\n"
+        "| kvpress policy | " + " | ".join(f"{ratio:.0%}" for ratio in compressions if ratio) + " |\n"
+        "|---|" + "---|" * sum(1 for ratio in compressions if ratio) + "\n"
+    )
+    achieved = {(row["policy"], row["compression"]): row["compression_achieved"] for row in peer["results"]}
+    for policy in dict.fromkeys(row["policy"] for row in peer["results"]):
+        cells = [f"{achieved[(policy, ratio)]:.1%}" if (policy, ratio) in achieved else "-" for ratio in compressions if ratio]
+        note += f"| {policy} | " + " | ".join(cells) + " |\n"
+    (sweep_dir / "sweep.md").write_text(markdown_table(summary, compressions) + note)
+    plot_sweep(summary, sweep_dir / "accuracy_vs_compression.png")
+    return summary
+
+
+# --- command line -------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.kvpress_compare", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    run_parser = commands.add_parser("run", help="generate under every press (in .venv-kvpress) -> kvpress.json")
+    run_parser.add_argument("--model", type=Path, required=True, help="Hugging Face model directory")
+    run_parser.add_argument("--tasks", type=Path, required=True, help="JSONL with 'prompt' and 'answer' per line")
+    run_parser.add_argument("--out", type=Path, required=True, help="kvpress.json to write")
+    run_parser.add_argument("--presses", default=",".join(PRESS_NAMES))
+    run_parser.add_argument("--variants", default=",".join(VARIANTS), help="prefill (kvpress native), decoding (engine budget)")
+    run_parser.add_argument("--compressions", default=",".join(str(ratio) for ratio in COMPRESSIONS))
+    run_parser.add_argument("--max-tokens", type=int, default=64, help="as kvpop.eval --max-tokens")
+    run_parser.add_argument("--limit", type=int, default=None, help="first N tasks only")
+    run_parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    merge_parser = commands.add_parser("merge", help="add kvpress.json rows to a kvpop.eval sweep (in .venv)")
+    merge_parser.add_argument("--kvpress", type=Path, required=True)
+    merge_parser.add_argument("--sweep-dir", type=Path, required=True, help="folder with sweep.json from kvpop.eval --sweep")
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        return run(args)
+    summary = merge(args.kvpress, args.sweep_dir)
+    print(f"merged {sum(row['policy'].startswith('kvpress:') for row in summary)} kvpress rows into {args.sweep_dir}: "
+          "sweep.json, sweep.md, accuracy_vs_compression.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

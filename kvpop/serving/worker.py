@@ -172,8 +172,22 @@ class EngineWorker:
             )
             if not events:
                 time.sleep(self._idle_wait)  # only requests waiting for KV memory: nothing to compute
+        self._shut_down()
+
+    def _shut_down(self) -> None:
+        """Answer everything still held, so no client waits on a model that is gone."""
+        message = "the model is shutting down; retry on another instance"
+        with self._condition:
+            waiting = [pending.channel for pending in self._queue] + [active.pending.channel for active in self._ready]
+            self._queue.clear()
+            self._ready = []
+        for channel in waiting:
+            try:
+                channel.send_error(message, "overloaded")
+            except Exception:
+                pass
         for request_id in list(self._active):
-            self._finish_with_error(request_id, "the model is shutting down", "internal")
+            self._finish_with_error(request_id, message, "internal")
 
     def _admit_locked(self) -> list[_Active]:
         """Move queue-head requests that fit the KV pool into the engine (FIFO: no overtaking)."""

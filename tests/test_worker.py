@@ -1,0 +1,98 @@
+"""The engine worker without Triton: a real engine on the tiny model, answering into in-memory channels."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvpop.decoder import DecoderStep
+from kvpop.engine import CacheConfig, Engine, GenerationRequest, SamplingParams
+from kvpop.model_spec import ModelSpec
+from kvpop.serving.admission import AdmissionPolicy, KVPoolAdmission, OverloadedError
+from kvpop.serving.request import ParsedRequest
+from kvpop.serving.worker import EngineWorker
+
+
+class ListChannel:
+    """Collects one request's responses; `cancel()` plays a client that goes away."""
+
+    def __init__(self) -> None:
+        self.responses: list[dict] = []
+        self.errors: list[tuple[str, str]] = []
+        self.done = threading.Event()
+        self.cancelled = False
+
+    def send(self, tensors, final):
+        self.responses.append(tensors)
+        if final:
+            self.done.set()
+
+    def send_error(self, message, kind):
+        self.errors.append((message, kind))
+        self.done.set()
+
+    def is_cancelled(self):
+        return self.cancelled
+
+    def ids(self) -> list[int]:
+        return [int(token) for response in self.responses for token in response["output_ids"].reshape(-1)]
+
+
+@pytest.fixture
+def worker(tiny_onnx_model_dir):
+    from transformers import AutoTokenizer
+
+    decoder = DecoderStep(tiny_onnx_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_onnx_model_dir / "tokenizer")
+    spec = ModelSpec.load(tiny_onnx_model_dir)
+    admission = KVPoolAdmission(AdmissionPolicy(1024 * spec.kv_bytes_per_token, 64, 1), spec)
+    worker = EngineWorker(lambda: Engine(decoder, tokenizer), tokenizer, admission, idle_wait=0.01).start()
+    yield worker
+    worker.stop()
+
+
+def parsed(request_id: str, stream: bool, max_tokens: int = 8, budget: int | None = None, ignore_eos: bool = False):
+    cache = CacheConfig("streaming", budget=budget) if budget else CacheConfig()
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
+    return ParsedRequest(GenerationRequest(request_id, list(range(5, 25)), sampling, cache), stream=stream)
+
+
+def test_streamed_and_complete_answers_carry_the_same_tokens(worker):
+    streamed, complete = ListChannel(), ListChannel()
+    worker.submit(parsed("a", stream=True), streamed)
+    worker.submit(parsed("b", stream=False), complete)
+    assert streamed.done.wait(30) and complete.done.wait(30)
+    assert len(streamed.responses) == 8 and len(complete.responses) == 1
+    assert streamed.ids() == complete.ids()
+    assert complete.responses[0]["finish_reason"][0, 0] == b"length"
+    assert worker.admission.reserved_bytes == 0
+
+
+def test_cancel_frees_slots_and_queue_limit_rejects(worker):
+    holder = ListChannel()
+    worker.submit(parsed("holder", stream=True, max_tokens=60_000, budget=1000, ignore_eos=True), holder)
+    while not holder.responses:
+        time.sleep(0.01)
+    waiting = ListChannel()
+    worker.submit(parsed("waiting", stream=False, max_tokens=8, budget=1000), waiting)  # queued: no room
+    with pytest.raises(OverloadedError, match="overloaded"):
+        worker.submit(parsed("refused", stream=False, budget=1000), ListChannel())
+    holder.cancelled = True
+    assert holder.done.wait(10) and waiting.done.wait(30)
+    assert holder.responses[-1]["finish_reason"][0, 0] == b"cancelled"
+    assert len(waiting.ids()) == 8 and worker.admission.reserved_bytes == 0
+
+
+def test_stopping_answers_every_waiting_request(tiny_onnx_model_dir, worker):
+    holder, waiting = ListChannel(), ListChannel()
+    worker.submit(parsed("holder", stream=True, max_tokens=60_000, budget=1000, ignore_eos=True), holder)
+    while not holder.responses:
+        time.sleep(0.01)
+    worker.submit(parsed("waiting", stream=False, budget=1000), waiting)
+    worker.stop()
+    assert holder.errors and waiting.errors
+    assert all("shutting down" in message for message, _ in holder.errors + waiting.errors)
+    assert not np.any([worker.num_active, worker.num_queued])

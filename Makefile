@@ -17,6 +17,7 @@ PID_FILE := run/tritonserver.pid
 	train-scorer tasks eval-sweep kvpress-env eval-kvpress speed speed-quick loadtest
 
 REFERENCE := models/reference
+THREADS ?= $(shell nproc)
 TASKS_FILE := build/tasks/test-512.jsonl
 QUALITY_DIR ?= docs/quality
 USERS ?= 16
@@ -66,10 +67,11 @@ test-e2e: setup  ## end-to-end tests only (real tritonserver, tritonclient HTTP 
 	$(PY) -m pytest -q -m server
 
 reference-model: setup  ## train the shipped reference model (resumes models/reference/checkpoint; hours on a CPU)
-	$(PY) -m kvpop.reference.train --out $(REFERENCE)
+	$(PY) -m kvpop.reference.train --out $(REFERENCE) --threads $(THREADS)
 
 eval-reference: setup  ## full-cache and StreamingLLM accuracy of the reference model per context length (JSON + plot)
-	$(PY) -m kvpop.reference.evaluate --model $(REFERENCE) --out docs/reference_model
+	$(PY) -m kvpop.reference.evaluate --model $(REFERENCE) --lengths 512 1024 2048 --num 200 --threads $(THREADS) \
+		--out docs/reference_model
 
 train-scorer: setup  ## train the KVpop scorers (mLSTM + MLP) for MODEL (default: the reference model) into MODEL/scorer
 	$(PY) -m kvpop.scorer.train --model $(or $(MODEL),$(REFERENCE))

@@ -63,11 +63,11 @@ def test_reasoning_looks_up_exactly_the_chain_and_computes_it_forward() -> None:
     steps = [step.split() for step in task.target.split(";")[:-1]]
     name = asked_name(task.prompt)
     lookups = steps[:4]
-    for step in lookups:  # backward: "name rhs" copied from the context
-        assert step[0] == name
-        assert tuple(step[1:]) == definitions[name]
-        name = step[1]
-    value = int(lookups[-1][1])
+    for step in lookups:  # backward: "name = rhs" copied from the context
+        assert step[0] == name and step[1] == "="
+        assert tuple(step[2:]) == definitions[name]
+        name = step[2]
+    value = int(lookups[-1][2])
     for step in steps[4:]:  # forward: "name = previous op = result"
         assert int(step[2]) == value
         value = value + int(step[3])
@@ -79,7 +79,7 @@ def test_fact_positions_point_at_the_defined_names() -> None:
     task = generate_task(TaskConfig(context_tokens=1024, hops=3), "test", 1)
     tokens = ["<bos>"] + task.prompt.split()
     names = [tokens[p] for p in task.questions[0].fact_positions]
-    assert all(tokens[p + 1] == ";" for p in task.questions[0].fact_positions)
+    assert all(tokens[p + 1] == ";" and tokens[p - 1] == "=" for p in task.questions[0].fact_positions)
     assert task.questions[0].name in names and len(set(names)) == 4
 
 
@@ -94,8 +94,8 @@ def test_config_rejects_impossible_knobs() -> None:
 
 
 def test_scoring_is_exact_match_of_the_final_answer() -> None:
-    assert extract_final_answer("a 3 ; # 42") == "42"
-    assert extract_final_answer("a 3 ;") is None
+    assert extract_final_answer("a = 3 ; # 42") == "42"
+    assert extract_final_answer("a = 3 ;") is None
     assert exact_match("x # 7 # 8", "7") and not exact_match("# 70", "7")
     assert accuracy(["# 1", "# 2"], ["1", "3"]) == 0.5
 
@@ -107,3 +107,8 @@ def test_cli_writes_one_json_task_per_line(tmp_path) -> None:
     assert len(records) == 3
     assert records[0]["prompt"] == generate_task(TaskConfig(context_tokens=512), "test", 0).prompt
     assert all(str(solve(r["prompt"])) == r["answer"] and r["prompt_tokens"] == 512 for r in records)
+
+
+def test_name_pool_restricts_the_names() -> None:
+    task = generate_task(TaskConfig(context_tokens=64, hops=0, num_facts=8, distractors=0, questions=4, name_pool=8), "train", 0)
+    assert set(parse_definitions(task.prompt)) == set("abcdefgh")

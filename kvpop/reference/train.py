@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--hours", type=float, default=None, help="wall-clock limit of this run")
     parser.add_argument("--max-total-hours", type=float, default=8.0, help="training budget over all runs")
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--warmup-steps", type=int, default=200)
     parser.add_argument("--weight-decay", type=float, default=0.01)
     parser.add_argument("--eval-every-tokens", type=int, default=500_000)
@@ -93,9 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         nonlocal last_checkpoint
         state.next_task_index = stream.next_index
         save_checkpoint(checkpoint_dir, model, optimizer, state)
-        rank = (state.curriculum.stage, state.history[-1]["accuracy"] if state.history else 0.0)
+        name = state.curriculum.current.name
+        latest = [r["accuracy"] for r in state.history if r["stage"] == name]  # gate accuracy of this model
+        rank = (state.curriculum.stage, latest[-1] if latest else 0.0)
         exported = ""
-        if tuple(rank) > tuple(state.exported_rank):
+        if tuple(rank) > tuple(state.exported_rank) or not (args.out / "model.safetensors").exists():
             state.exported_rank = rank
             summary = summarize(state, parameters, args.threads, tokens_per_second())
             export_model(args.out, model, summary, render_card(summary))

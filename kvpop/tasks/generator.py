@@ -1,13 +1,13 @@
 """Long-context multi-step arithmetic tasks, deterministic by (split, index).
 
 A task is a context of facts scattered through filler, then a question `? d :` about one
-variable. Facts are written value-first with the defined name right after its value
-(`12 b ;` is b = 12, `b +5 c ;` is c = b + 5): that adjacency is what let small models
-discover retrieval (issue 3; an `=` between value and name kept recall on its plateau here).
-Answering needs the whole chain of facts from the asked variable back to a number, so the
-chain of thought first looks every fact up, name first (`d c -3 ; c b +5 ; b 12 ;`: the lookup
-is keyed on the token the model has just written), then computes forward, reading its own
-intermediate results back (`c = 12 +5 = 17 ; d = 17 -3 = 14 ;`), then answers (`# 14`).
+variable. Facts are written value-first (`12 = b ;`, `b +5 = c ;`): the defined name comes
+last, so a name's position can gather its right-hand side and a lookup can match the name
+itself (issue 3 found value-first facts easier to learn; measured here, `12 = b` also beat
+`12 b`). Answering needs the whole chain of facts from the asked variable back to a number,
+so the chain of thought first looks every fact up (`d = c -3 ; c = b +5 ; b = 12 ;`), then
+computes forward, reading its own intermediate results back (`c = 12 +5 = 17 ;
+d = 17 -3 = 14 ;`), then answers (`# 14`).
 Eviction matters because the needed facts sit anywhere in the context, while distractors
 (other chains, and "near-miss" facts that use a chain variable on their right-hand side)
 defeat any lookup that is not keyed on the defined name.
@@ -69,7 +69,7 @@ class TaskConfig:
                 f"name_pool={self.name_pool} <= {len(NAMES)}]: "
                 f"{self.questions} question chain(s) of {self.hops + 1} facts plus {self.near_miss_facts} near-miss facts"
             )
-        needed = BOS_TOKENS + 4 * self.fact_count + QUESTION_TOKENS
+        needed = BOS_TOKENS + 5 * self.fact_count + QUESTION_TOKENS
         if self.context_tokens < needed:
             raise ValueError(f"context_tokens={self.context_tokens} cannot hold {self.fact_count} facts (needs {needed})")
 
@@ -97,8 +97,8 @@ class Fact:
     @property
     def words(self) -> tuple[str, ...]:
         if self.parent is None:
-            return (str(self.value), self.name, FACT_END)
-        return (self.parent, self.operator, self.name, FACT_END)
+            return (str(self.value), EQUALS, self.name, FACT_END)
+        return (self.parent, self.operator, EQUALS, self.name, FACT_END)
 
 
 @dataclass(frozen=True)
@@ -233,6 +233,7 @@ def _question(chain: list[Fact], positions: dict[str, int]) -> Question:
 
     for fact in reversed(chain):  # look every fact up, from the asked name back to the root
         emit(fact.name, COPY)
+        emit(EQUALS, FORMAT)
         if fact.parent is None:
             emit(str(fact.value), RETRIEVE)
         else:

@@ -126,3 +126,13 @@ def test_parse_rejects_malformed_inputs(tokenizer, tensors, message):
 def test_parameters_must_be_json():
     with pytest.raises(InvalidRequestError, match="JSON"):
         parse_parameters("{not json")
+
+
+def test_the_serving_runtime_imports_no_torch():
+    """The GPU image ships onnxruntime-gpu, not torch: serving code must not import it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kvpop.serving.service, kvpop.serving.worker, kvpop.serving.metrics, kvpop.scorer.runtime; "
+            "print('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"

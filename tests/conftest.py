@@ -26,3 +26,18 @@ def tiny_onnx_model_dir(tiny_hf_model_dir: Path) -> Path:
     output_dir = tiny_hf_model_dir.parent / "onnx"
     export_model(tiny_hf_model_dir, output_dir)
     return output_dir
+
+
+REFERENCE_MODEL = Path(__file__).resolve().parents[1] / "models" / "reference"
+
+
+@pytest.fixture(scope="session")
+def reference_onnx_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shipped reference model, exported once per session (skipped in a checkout without it)."""
+    if not (REFERENCE_MODEL / "model.safetensors").exists():
+        pytest.skip("no shipped reference model in models/reference")
+    from export.pipeline import export_model
+
+    output_dir = tmp_path_factory.mktemp("reference") / "onnx"
+    export_model(REFERENCE_MODEL, output_dir)
+    return output_dir

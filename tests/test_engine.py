@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +12,8 @@ from kvpop.decoder import DecoderStep
 from kvpop.engine import CacheConfig, Engine, GenerationRequest, SamplingParams
 from kvpop.policies import POLICIES
 from kvpop.sampling import Sampler
+
+REFERENCE_MODEL = Path(__file__).resolve().parents[1] / "models" / "reference"
 
 PROMPTS = [[0, 5, 17, 99, 23, 41, 7, 64, 12, 200, 31], [0, 250, 3], [0, 9, 8, 7, 6, 5, 4, 3, 2, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110]]
 NEW_TOKENS = 24
@@ -231,3 +234,28 @@ def test_a_learned_scorer_the_model_lacks_is_refused_at_add(decoder):
     engine = Engine(decoder)  # no learned scorers loaded
     with pytest.raises(ValueError, match="no learned kvpop scorer 'mlstm'"):
         engine.add_request(GenerationRequest("x", [0, 1], cache=CacheConfig(policy="kvpop", budget=8, scorer="mlstm")))
+
+
+def test_every_policy_matches_hf_greedy_on_the_reference_model(reference_onnx_model_dir):
+    """The same parity on the shipped model (other vocabulary, head_dim, tied embeddings)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from kvpop.tasks import TaskConfig, generate_task
+
+    tokenizer = AutoTokenizer.from_pretrained(reference_onnx_model_dir / "tokenizer")
+    prompts = [tokenizer(generate_task(TaskConfig(context_tokens=256), "test", index).prompt).input_ids for index in range(2)]
+    model = LlamaForCausalLM.from_pretrained(REFERENCE_MODEL).eval()
+    expected = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
+                                 pad_token_id=model.config.pad_token_id)
+            expected.append(out[0, len(prompt):].tolist())
+    engine = Engine(DecoderStep(reference_onnx_model_dir), max_batch_size=8, prefill_chunk=64)
+    for policy in POLICIES:
+        config = CacheConfig(policy=policy, budget=None if policy == "full" else 512)
+        results = engine.generate([GenerationRequest(f"{policy}-{i}", p, SamplingParams(max_tokens=12), config)
+                                   for i, p in enumerate(prompts)])
+        assert [result.output_ids for result in results] == expected, policy

@@ -4,6 +4,10 @@ or a sweep of every policy over compression ratios (JSON + markdown table + accu
     python -m kvpop.eval --model DIR --tasks FILE.jsonl --policy P (--budget N | --compression R) --out report.json
     python -m kvpop.eval --model DIR --tasks FILE.jsonl --sweep --out-dir DIR [--compressions 0,0.5,0.75,0.88,0.94]
 
+A sweep entry is a policy name, or `kvpop:<scorer>` for the kvpop policy with one scorer; by default the
+sweep runs every policy (kvpop with its attention-based scorer) plus `kvpop:<kind>` for every learned
+scorer exported with the model (stateful `mlstm`, stateless `mlp`), so they are compared side by side.
+
 Scoring: `final_answer` (default) is the project tasks' exact match of the word after "#";
 `contains` counts an answer found anywhere in the generated text (for arbitrary JSONL).
 """
@@ -120,7 +124,9 @@ def sweep(
             if ratio == 0.0:
                 summary.append({**_summary_row(full, policy, 0.0), "note": "no eviction at 0%: the full cache"})
                 continue
-            config = CacheConfig(policy=policy, compression=ratio, sinks=sinks, window=window)
+            name, _, scorer_name = policy.partition(":")
+            config = CacheConfig(policy=name, compression=ratio, sinks=sinks, window=window,
+                                 scorer=scorer_name or "accumulated_attention")
             report = evaluate(engine, tasks, config, max_tokens, scoring)
             summary.append(_summary_row(report, policy, ratio))
             print(f"{policy} @ {ratio:.0%}: accuracy {report['accuracy']:.3f}", flush=True)
@@ -155,14 +161,16 @@ def plot_sweep(summary: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(6, 4))
+    figure, axes = plt.subplots(figsize=(8, 4))
     for policy in dict.fromkeys(row["policy"] for row in summary if row["policy"] != "full"):
         rows = [row for row in summary if row["policy"] == policy]
-        axes.plot([100 * row["compression"] for row in rows], [row["accuracy"] for row in rows], marker="o", label=policy)
+        style = ":" if policy.startswith("kvpress:") else "-"  # the outside peer, merged in by kvpress_compare
+        axes.plot([100 * row["compression"] for row in rows], [row["accuracy"] for row in rows], marker="o",
+                  linestyle=style, label=policy)
     full = next(row["accuracy"] for row in summary if row["policy"] == "full")
     axes.axhline(full, color="black", linestyle="--", label="full cache")
     axes.set(xlabel="compression (%)", ylabel="accuracy", title="Accuracy vs KV compression", ylim=(-0.02, 1.02))
-    axes.legend()
+    axes.legend(fontsize="small", loc="center left", bbox_to_anchor=(1, 0.5))
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
@@ -187,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="report JSON (single run)")
     parser.add_argument("--sweep", action="store_true", help="every policy x --compressions")
     parser.add_argument("--out-dir", type=Path, help="sweep output folder")
-    parser.add_argument("--policies", default=",".join(POLICIES), help="sweep: comma-separated policies")
+    parser.add_argument("--policies", help="sweep: comma-separated policies or kvpop:<scorer> (default: all)")
+    parser.add_argument("--scorer", default="accumulated_attention", help="single run, kvpop policy: its scorer")
     parser.add_argument("--compressions", default=",".join(str(r) for r in SWEEP_COMPRESSIONS))
     args = parser.parse_args(argv)
 
@@ -196,8 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         if args.out_dir is None:
             parser.error("--sweep needs --out-dir")
-        policies = [name.strip() for name in args.policies.split(",") if name.strip()]
-        unknown = [name for name in policies if name not in POLICIES]
+        default = [*POLICIES, *(f"kvpop:{kind}" for kind in engine.learned_scorers)]
+        policies = [name.strip() for name in args.policies.split(",") if name.strip()] if args.policies else default
+        unknown = [name for name in policies if name.partition(":")[0] not in POLICIES]
         if unknown:
             parser.error(f"unknown policies {unknown}; registered: {', '.join(POLICIES)}")
         compressions = tuple(float(ratio) for ratio in args.compressions.split(","))
@@ -207,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is None:
         parser.error("a single run needs --out")
     try:
-        config = CacheConfig(policy=args.policy, budget=args.budget, compression=args.compression, sinks=args.sinks, window=args.window)
+        config = CacheConfig(policy=args.policy, budget=args.budget, compression=args.compression, sinks=args.sinks,
+                             window=args.window, scorer=args.scorer)
     except ValueError as error:
         parser.error(str(error))
     report = evaluate(engine, tasks, config, args.max_tokens, args.scoring)

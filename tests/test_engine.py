@@ -209,11 +209,14 @@ def test_quality_harness_single_run_and_sweep(tiny_onnx_model_dir, tmp_path):
     assert quality.main([*common, "--policy", "tova", "--compression", "0.5", "--out", str(tmp_path / "report.json")]) == 0
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["tasks"] == 2 and 0.0 <= report["accuracy"] <= 1.0 and report["compression_achieved"] > 0.3
-    assert quality.main([*common, "--sweep", "--out-dir", str(tmp_path / "sweep"), "--policies", "streaming,kvpop", "--compressions", "0,0.75"]) == 0
+    policies = "streaming,kvpop,kvpop:mlstm,kvpop:mlp"
+    assert quality.main([*common, "--sweep", "--out-dir", str(tmp_path / "sweep"), "--policies", policies, "--compressions", "0,0.75"]) == 0
     summary = json.loads((tmp_path / "sweep" / "sweep.json").read_text())["results"]
-    assert [(row["policy"], row["compression"]) for row in summary] == [("full", 0.0), ("streaming", 0.0), ("streaming", 0.75), ("kvpop", 0.0), ("kvpop", 0.75)]
+    expected = [("full", 0.0)] + [(policy, ratio) for policy in policies.split(",") for ratio in (0.0, 0.75)]
+    assert [(row["policy"], row["compression"]) for row in summary] == expected
     assert (tmp_path / "sweep" / "accuracy_vs_compression.png").stat().st_size > 0
-    assert "| kvpop |" in (tmp_path / "sweep" / "sweep.md").read_text()
+    table = (tmp_path / "sweep" / "sweep.md").read_text()
+    assert "| kvpop |" in table and "| kvpop:mlstm |" in table and "| kvpop:mlp |" in table
 
 
 @pytest.mark.parametrize("kind", ["mlstm", "mlp"])

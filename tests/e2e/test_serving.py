@@ -86,13 +86,21 @@ def test_cancelling_a_stream_frees_its_slots_within_a_step(kvpop_grpc, metrics):
     assert wait_for(lambda: metrics("kvpop_requests_total", finish_reason="cancelled") == cancelled_before + 1)
 
 
+def test_a_disconnected_sse_client_frees_its_slots(kvpop_http, metrics):
+    stream, _ = hold_kv_memory(kvpop_http, kv_budget=256)  # generate_stream over HTTP
+    next(stream)
+    assert metrics("kvpop_active_sequences") == 1
+    stream.close()  # drops the HTTP connection
+    assert wait_for(lambda: metrics("kvpop_active_sequences") == 0 and metrics("kvpop_kv_bytes_reserved") == 0)
+
+
 def hold_kv_memory(client, kv_budget: int):
     """Start a stream that runs for a minute unless cancelled; return it once it holds its slots.
 
     The tiny model decodes ~1000 tokens a second, so only a long, bounded stream outlives a test's checks.
     """
-    stream = client.stream(LONG_PROMPT, max_tokens=60_000, ignore_eos=True, eviction_policy="streaming",
-                           kv_budget=kv_budget)
+    prompt = LONG_PROMPT if client.protocol == "grpc" else "Let a = 7. " * 8  # SSE takes text
+    stream = client.stream(prompt, max_tokens=60_000, ignore_eos=True, eviction_policy="streaming", kv_budget=kv_budget)
     return stream, next(stream)
 
 

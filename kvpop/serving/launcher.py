@@ -248,13 +248,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[serve] running in the background (pid {server.process.pid}); stop it with `make stop`")
         return 0
     print("[serve] Ctrl-C to stop", flush=True)
-    try:
-        while server.process.poll() is None:
-            time.sleep(0.5)
-    except KeyboardInterrupt:
+    stopping = []
+    # Ctrl-C, `kill` and `docker stop` all stop the server gracefully (in-flight requests may finish);
+    # installed explicitly because a shell may start us with SIGINT ignored.
+    for signal_number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signal_number, lambda number, frame: stopping.append(number))
+    while server.process.poll() is None and not stopping:
+        time.sleep(0.5)
+    if stopping:
         print("\n[serve] stopping", flush=True)
-    finally:
-        server.stop()
+    server.stop()
     return server.process.returncode or 0
 
 

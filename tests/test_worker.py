@@ -96,3 +96,23 @@ def test_stopping_answers_every_waiting_request(tiny_onnx_model_dir, worker):
     assert holder.errors and waiting.errors
     assert all("shutting down" in message for message, _ in holder.errors + waiting.errors)
     assert not np.any([worker.num_active, worker.num_queued])
+
+
+class BrokenChannel(ListChannel):
+    """A client whose connection breaks after its first streamed token."""
+
+    def send(self, tensors, final):
+        if self.responses:
+            raise ConnectionError("client gone")
+        super().send(tensors, final)
+
+
+def test_a_client_that_breaks_mid_stream_is_cancelled_and_others_carry_on(worker):
+    broken, healthy = BrokenChannel(), ListChannel()
+    worker.submit(parsed("broken", stream=True, max_tokens=60_000, budget=512, ignore_eos=True), broken)
+    worker.submit(parsed("healthy", stream=False, max_tokens=8), healthy)
+    assert healthy.done.wait(30) and len(healthy.ids()) == 8
+    deadline = time.time() + 10
+    while worker.num_active and time.time() < deadline:
+        time.sleep(0.01)
+    assert worker.num_active == 0 and worker.admission.reserved_bytes == 0

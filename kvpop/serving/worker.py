@@ -158,7 +158,12 @@ class EngineWorker:
                 self._fail_all(f"engine step failed: {type(error).__name__}: {error}")
                 continue
             for event in events:
-                self._dispatch(event)
+                try:
+                    self._dispatch(event)
+                except Exception as error:  # a bug answering one request must not stop the others
+                    if event.request_id in self._active:
+                        self.engine.cancel(event.request_id)
+                        self._finish_with_error(event.request_id, f"internal error: {error}", "internal")
             in_use = self.engine.kv_bytes_in_use
             with self._condition:
                 self.admission.observe_engine(in_use)
@@ -225,7 +230,10 @@ class EngineWorker:
         except ValueError as error:
             self._release(request.request_id)
             self.metrics.observe_rejected("invalid")
-            active.pending.channel.send_error(str(error), "invalid")
+            try:
+                active.pending.channel.send_error(str(error), "invalid")
+            except Exception:  # the client is gone
+                pass
             return
         self._active[request.request_id] = active
 
@@ -249,11 +257,13 @@ class EngineWorker:
                 self.metrics.observe_first_token(now - active.pending.arrived)
         if not event.finished:
             if parsed.stream:
-                active.pending.channel.send(
-                    output_tensors(delta, [event.token_id], None, len(parsed.generation.prompt_ids),
-                                   len(active.detokenizer.token_ids)),
-                    final=False,
-                )
+                tensors = output_tensors(delta, [event.token_id], None, len(parsed.generation.prompt_ids),
+                                         len(active.detokenizer.token_ids))
+                try:
+                    active.pending.channel.send(tensors, final=False)
+                except Exception:  # the client went away: free its slots at the next step
+                    self.engine.cancel(event.request_id)
+                    active.cancel_sent = True
             return
         del self._active[event.request_id]
         self._release(event.request_id)

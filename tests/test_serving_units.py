@@ -116,6 +116,8 @@ def test_request_parameters_are_accepted_like_inputs(tokenizer):
         ({"text_input": np.array([b"ok"], dtype=object), "top_k": np.array([2.5])}, "integer"),
         ({"text_input": np.array([b"ok"], dtype=object), "seed": np.array([1, 2])}, "exactly one value"),
         ({"text_input": np.array([b"ok"], dtype=object), "stop": np.array([b"\xff"], dtype=object)}, "UTF-8"),
+        ({"text_input": np.array([b"ok"], dtype=object), "stop": np.array([b"x" * 300], dtype=object)}, "stop takes"),
+        ({"text_input": np.array([b"ok"], dtype=object), "stop": np.array([b"x"] * 17, dtype=object)}, "stop takes"),
     ],
 )
 def test_parse_rejects_malformed_inputs(tokenizer, tensors, message):

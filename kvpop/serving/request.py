@@ -35,6 +35,10 @@ SCALAR_INPUTS: dict[str, type] = {
 }
 
 
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+
+
 @dataclass
 class ParsedRequest:
     generation: GenerationRequest
@@ -141,6 +145,9 @@ def parse_request(
     elif isinstance(parameters.get("stop"), (list, str)):
         stop = tuple([parameters["stop"]] if isinstance(parameters["stop"], str) else map(str, parameters["stop"]))
     stop = tuple(item for item in stop if item)
+    # Stop strings are matched against the decoded tail every step: bound their cost.
+    if len(stop) > MAX_STOP_STRINGS or any(len(item) > MAX_STOP_LENGTH for item in stop):
+        raise InvalidRequestError(f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} characters")
 
     max_tokens = values["max_tokens"] if values["max_tokens"] is not None else config.default_max_tokens
     if not 1 <= max_tokens <= config.max_output_tokens:

@@ -70,6 +70,12 @@ def export_model(model_dir: Path, output_dir: Path) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     causal_lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     spec = model_spec_from_config(config, architecture, tokenizer)
+    sliding_window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    if sliding_window:
+        # The step attends to every valid slot: identical to the model while a cache holds at most
+        # `sliding_window` tokens, which every budget <= sliding_window guarantees.
+        print(f"[export] note: {architecture} declares sliding_window={sliding_window}; keep KV budgets "
+              f"<= {sliding_window} (the full cache attends beyond it)", flush=True)
 
     stage(f"exporting {architecture} ({spec.num_layers} layers, {spec.num_kv_heads} KV heads) to ONNX")
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -90,6 +96,7 @@ def export_model(model_dir: Path, output_dir: Path) -> dict:
         "architecture": architecture,
         "model_spec": json.loads((output_dir / "model_spec.json").read_text()),
         "parity": parity.as_dict(),
+        "sliding_window": sliding_window,
         "torch": torch.__version__,
     }
     (output_dir / REPORT_FILENAME).write_text(json.dumps(report, indent=2) + "\n")

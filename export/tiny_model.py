@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
 
@@ -36,11 +36,22 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **SPECIAL_TOKENS)
 
 
-def build_tiny_llama(output_dir: Path, seed: int = 0, num_layers: int = 2) -> Path:
-    """Write a HF model directory (config, safetensors, tokenizer) and return its path."""
+ARCHITECTURES = {
+    "LlamaForCausalLM": ("LlamaConfig", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("MistralConfig", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+
+
+def build_tiny_model(output_dir: Path, architecture: str = "LlamaForCausalLM", seed: int = 0, num_layers: int = 2) -> Path:
+    """Write a tiny HF model directory (config, safetensors, tokenizer) of a supported architecture."""
+    import transformers
+
+    config_name, model_name = ARCHITECTURES[architecture]
     torch.manual_seed(seed)
     tokenizer = build_tokenizer()
-    config = LlamaConfig(
+    config = getattr(transformers, config_name)(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
@@ -51,15 +62,20 @@ def build_tiny_llama(output_dir: Path, seed: int = 0, num_layers: int = 2) -> Pa
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        architectures=["LlamaForCausalLM"],
+        architectures=[architecture],
     )
-    model = LlamaForCausalLM(config).eval()
-    # Larger-than-default initialisation so attention is not uniform and greedy text varies.
+    model = getattr(transformers, model_name)(config).eval()
+    # Larger-than-default initialisation (biases too: Qwen2's q/k/v biases start at zero) so attention
+    # is not uniform and greedy text varies.
     with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.dim() == 2:
+        for name, parameter in model.named_parameters():
+            if parameter.dim() == 2 or name.endswith("proj.bias"):
                 parameter.normal_(0.0, 0.2)
     output_dir = Path(output_dir)
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
     return output_dir
+
+
+def build_tiny_llama(output_dir: Path, seed: int = 0, num_layers: int = 2) -> Path:
+    return build_tiny_model(output_dir, "LlamaForCausalLM", seed, num_layers)

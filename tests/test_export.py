@@ -59,6 +59,14 @@ def test_masked_slots_are_ignored(tiny_onnx_model_dir):
     assert np.all(noisy.attention == 0)
 
 
+@pytest.mark.parametrize("architecture", ["MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+def test_other_llama_family_architectures_export_with_parity(tmp_path, architecture):
+    from export.tiny_model import build_tiny_model
+
+    report = export_model(build_tiny_model(tmp_path / "hf", architecture), tmp_path / "onnx")
+    assert report["architecture"] == architecture and report["parity"]["passed"]
+
+
 def test_unsupported_architecture_is_named(tmp_path):
     config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)
     config.architectures = ["GPT2LMHeadModel"]

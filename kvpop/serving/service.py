@@ -7,6 +7,7 @@ Kept free of `triton_python_backend_utils` so it runs (and is tested) without Tr
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -22,6 +23,9 @@ from kvpop.serving.request import InvalidRequestError, parse_request
 from kvpop.serving.worker import EngineWorker, ResponseChannel
 
 TOKENIZER_DIRNAME = "tokenizer"
+# Request parameter of a control message that cancels the request with that client request id
+# (kvpop_service sends it when its own client goes away: a BLS call cannot be cancelled in Triton 2.51).
+CANCEL_PARAMETER = "kvpop_cancel"
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,7 @@ class KVpopService:
         )
         self.worker = EngineWorker(self._new_engine, self.tokenizer, admission, metrics).start()
         self._ids = itertools.count()
+        self._by_client_id: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # client id -> channel
 
     def _new_engine(self) -> Engine:
         return Engine(
@@ -93,6 +98,14 @@ class KVpopService:
             request_id, get_input, parameters, self.tokenizer, self.decoder.spec.vocab_size, self.config, self.kvpop_scorer
         )
         self.worker.submit(parsed, channel)
+        if client_request_id:
+            self._by_client_id[client_request_id] = channel
+
+    def cancel(self, client_request_id: str) -> None:
+        """Cancel the running or queued request that arrived with this client request id, if any."""
+        channel = self._by_client_id.get(client_request_id)
+        if channel is not None:
+            channel.cancelled = True
 
     def shutdown(self) -> None:
         self.worker.stop()

@@ -164,3 +164,24 @@ def test_memory_stays_within_the_kv_pool_under_many_streams(kvpop_grpc, metrics)
         sampler.join()
     assert all(result.finish_reason in ("length", "stop") for result in results)
     assert 0 < peak[0] <= capacity
+
+
+def test_a_cancelled_complete_answer_request_frees_its_slots(triton_server, metrics):
+    """kvpop_service forwards through BLS, which cannot be cancelled: it tells the engine instead."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    cancelled_before = metrics("kvpop_requests_total", finish_reason="cancelled")
+    with grpcclient.InferenceServerClient(triton_server.grpc_url) as client:
+        inputs = []
+        for name, value, datatype in [("input_ids", [LONG_PROMPT], "INT64"), ("max_tokens", [[60_000]], "INT32"),
+                                      ("ignore_eos", [[True]], "BOOL"), ("eviction_policy", [[b"streaming"]], "BYTES"),
+                                      ("kv_budget", [[256]], "INT32")]:
+            array = np.array(value, dtype=np.object_ if datatype == "BYTES" else {"INT64": np.int64, "INT32": np.int32, "BOOL": bool}[datatype])
+            inputs.append(grpcclient.InferInput(name, list(array.shape), datatype))
+            inputs[-1].set_data_from_numpy(array)
+        call = client.async_infer("kvpop_service", inputs, callback=lambda result, error: None)
+        assert wait_for(lambda: metrics("kvpop_active_sequences") == 1)
+        call.cancel()
+        assert wait_for(lambda: metrics("kvpop_active_sequences") == 0 and metrics("kvpop_kv_bytes_reserved") == 0)
+    assert wait_for(lambda: metrics("kvpop_requests_total", finish_reason="cancelled") == cancelled_before + 1)

@@ -14,7 +14,7 @@ from kvpop.serving.admission import OverloadedError
 from kvpop.serving.config import ServiceConfig
 from kvpop.serving.metrics import ServiceMetrics
 from kvpop.serving.request import InvalidRequestError, parse_parameters
-from kvpop.serving.service import KVpopService, Placement
+from kvpop.serving.service import CANCEL_PARAMETER, KVpopService, Placement
 
 
 def error_code(kind):
@@ -34,6 +34,7 @@ class TritonChannel:
         self.request = request  # kept alive for is_cancelled()
         self.sender = request.get_response_sender()
         self.output_dtypes = output_dtypes
+        self.cancelled = False  # set by a cancel message from kvpop_service (BLS cannot cancel itself)
 
     def send(self, tensors, final):
         response = pb_utils.InferenceResponse(
@@ -49,7 +50,7 @@ class TritonChannel:
         self.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def is_cancelled(self):
-        return self.sender.is_cancelled() or self.request.is_cancelled()
+        return self.cancelled or self.sender.is_cancelled() or self.request.is_cancelled()
 
 
 class TritonPythonModel:
@@ -81,9 +82,14 @@ class TritonPythonModel:
         for request in requests:
             channel = TritonChannel(request, self.output_dtypes)
             try:
+                parameters = parse_parameters(request.parameters())
+                if CANCEL_PARAMETER in parameters:  # a control message, not a generation request
+                    self.service.cancel(str(parameters[CANCEL_PARAMETER]))
+                    channel.sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                    continue
                 self.service.submit(
                     lambda name, request=request: _input_array(request, name),
-                    parse_parameters(request.parameters()),
+                    parameters,
                     channel,
                     client_request_id=request.request_id() or "",
                 )

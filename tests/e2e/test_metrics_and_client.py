@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kvpop_client import KVpopClient, KVpopServerError
+from kvpop_client import KVpopServerError
 
 pytestmark = pytest.mark.server
 

@@ -8,17 +8,16 @@ same batch, and the engine batches all of them in flight. A BLS call cannot be c
 2.51, so when a client goes away a watcher thread tells the engine to cancel that request.
 """
 
-CANCEL_PARAMETER = "kvpop_cancel"  # kvpop.serving.service.CANCEL_PARAMETER
-CANCEL_POLL_SECONDS = 0.05
-
 import json
 import threading
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+
+CANCEL_PARAMETER = "kvpop_cancel"  # the engine's control parameter (kvpop.serving.service.CANCEL_PARAMETER)
+CANCEL_POLL_SECONDS = 0.05
 
 
 class TritonPythonModel:

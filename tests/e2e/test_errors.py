@@ -34,6 +34,7 @@ BAD_REQUESTS = {
     "negative temperature": ([GOOD_TEXT, ("temperature", [[-1.0]], "FP32")], "temperature"),
     "top_p zero": ([GOOD_TEXT, ("top_p", [[0.0]], "FP32")], "top_p"),
     "negative top_k": ([GOOD_TEXT, ("top_k", [[-3]], "INT32")], "top_k"),
+    "negative seed": ([GOOD_TEXT, ("temperature", [[1.0]], "FP32"), ("seed", [[-5]], "INT64")], "seed"),
     "max_tokens zero": ([GOOD_TEXT, ("max_tokens", [[0]], "INT32")], "max_tokens"),
     "max_tokens huge": ([GOOD_TEXT, ("max_tokens", [[100000]], "INT32")], "max_tokens"),
     "unknown policy": ([GOOD_TEXT, ("eviction_policy", [[b"lru"]], "BYTES")], "unknown eviction policy"),

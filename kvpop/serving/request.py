@@ -124,6 +124,10 @@ def parse_request(
     else:
         if not np.issubdtype(ids.dtype, np.integer):
             raise InvalidRequestError(f"input_ids must be INT32 or INT64, got {ids.dtype}")
+        if ids.size > config.max_prompt_tokens:  # refuse before converting a huge payload
+            raise InvalidRequestError(
+                f"prompt has {ids.size} tokens; this service accepts at most {config.max_prompt_tokens}"
+            )
         prompt_ids = [int(token) for token in ids.reshape(-1)]
         if not prompt_ids:
             raise InvalidRequestError("input_ids is empty")

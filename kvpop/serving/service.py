@@ -23,9 +23,6 @@ from kvpop.serving.request import InvalidRequestError, parse_request
 from kvpop.serving.worker import EngineWorker, ResponseChannel
 
 TOKENIZER_DIRNAME = "tokenizer"
-# Request parameter of a control message that cancels the request with that client request id
-# (kvpop_service sends it when its own client goes away: a BLS call cannot be cancelled in Triton 2.51).
-CANCEL_PARAMETER = "kvpop_cancel"
 
 
 @dataclass(frozen=True)

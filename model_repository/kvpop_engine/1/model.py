@@ -11,10 +11,10 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
 from kvpop.serving.admission import OverloadedError
-from kvpop.serving.config import ServiceConfig
+from kvpop.serving.config import CANCEL_PARAMETER, ServiceConfig
 from kvpop.serving.metrics import ServiceMetrics
 from kvpop.serving.request import InvalidRequestError, parse_parameters
-from kvpop.serving.service import CANCEL_PARAMETER, KVpopService, Placement
+from kvpop.serving.service import KVpopService, Placement
 
 
 def error_code(kind):

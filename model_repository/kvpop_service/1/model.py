@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-CANCEL_PARAMETER = "kvpop_cancel"  # the engine's control parameter (kvpop.serving.service.CANCEL_PARAMETER)
+from kvpop.serving.config import CANCEL_PARAMETER  # no heavy imports: this model holds no weights
 CANCEL_POLL_SECONDS = 0.05
 
 

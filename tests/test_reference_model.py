@@ -10,10 +10,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer, DynamicCache, LlamaForCausalLM
 
-from kvpop.reference.batches import IGNORE, collate, encode_task
+from kvpop.reference.batches import IGNORE, collate, encode_drill, encode_task
 from kvpop.reference.curriculum import STAGES, CurriculumState
+from kvpop.reference.drills import LookupDrill, RepeatDrill, drill_words
 from kvpop.reference.decoding import StreamingLLM, _forward, greedy_generate
-from kvpop.reference.model import ReferenceModelConfig, build_model
+from kvpop.reference.model import ReferenceModelConfig, build_model, widen_mlp
 from kvpop.reference.tokenizer import BOS, EOS, VOCAB, encode_words, save_tokenizer
 from kvpop.tasks import TaskConfig, exact_match, generate_task
 from kvpop.tasks.language import FINAL
@@ -48,6 +49,35 @@ def test_loss_only_on_reasoning_and_eos() -> None:
     assert {q for q in questions if q >= 0} == {0, 1}
     batch = collate([task, task])
     assert batch.num_questions == 4 and batch.loss_tokens == 2 * len(reasoning)
+
+
+def test_drills_put_loss_on_lookups_and_repeats_that_the_context_determines() -> None:
+    lookup = LookupDrill(num_facts=6, num_lookups=10)
+    words, roles = drill_words(lookup, 5)
+    assert (words, roles) == drill_words(lookup, 5) and words != drill_words(lookup, 6)[0]
+    facts = {words[i]: words[i + 1] for i in range(0, 3 * 6, 3)}
+    lookups = [(words[i], words[i + 1]) for i in range(18, len(words), 3)]
+    assert len(lookups) == 10 and all(facts[name] == value for name, value in lookups)
+    assert [r for r in roles if r != "none"] == ["retrieve", "format"] * 10
+    repeat = RepeatDrill(length=50, min_period=6, max_period=10)
+    words, roles = drill_words(repeat, 1)
+    period = roles.index("copy")
+    assert 6 <= period <= 10 and all(words[i] == words[i - period] for i in range(period, 50))
+    ids, labels, _, questions = encode_drill(repeat, 1)
+    assert sum(label != IGNORE for label in labels) == 50 - period and set(questions) == {-1, 0}
+    batch = collate([(lookup, 0), generate_task(TaskConfig(context_tokens=64, hops=1, num_facts=8, questions=2), "train", 0)])
+    assert batch.num_questions == 3
+
+
+def test_widening_the_mlp_keeps_the_function(tiny_model) -> None:
+    config = ReferenceModelConfig(hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+    wider, wider_config = widen_mlp(tiny_model, config, 256)
+    assert wider_config.intermediate_size == 256 and wider.model.layers[0].mlp.up_proj.weight.shape == (256, 64)
+    ids = torch.tensor([encode_words(generate_task(TaskConfig(context_tokens=64, hops=1, num_facts=8), "test", 0).prompt.split())])
+    with torch.no_grad():
+        torch.testing.assert_close(wider.eval()(input_ids=ids).logits, tiny_model(input_ids=ids).logits)
+    with pytest.raises(ValueError):
+        widen_mlp(tiny_model, config, 128)
 
 
 def test_curriculum_advances_on_accuracy_only() -> None:

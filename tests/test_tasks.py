@@ -57,29 +57,31 @@ def test_independent_evaluator_agrees_with_every_answer(config: TaskConfig) -> N
             assert extract_final_answer(" ".join(question.reasoning)) == str(question.answer)
 
 
-def test_reasoning_looks_up_exactly_the_chain_and_computes_it_forward() -> None:
+def test_reasoning_copies_each_fact_and_carries_the_running_offset() -> None:
     task = generate_task(TaskConfig(context_tokens=512, hops=3), "test", 7)
     definitions = parse_definitions(task.prompt)
-    steps = [step.split() for step in task.target.split(";")[:-1]]
+    lines = [line.split() for line in task.target.split(";")[:-1]]
     name = asked_name(task.prompt)
-    lookups = steps[:4]
-    for step in lookups:  # backward: "name = rhs" copied from the context
-        assert step[0] == name and step[1] == "="
-        assert tuple(step[2:]) == definitions[name]
-        name = step[2]
-    value = int(lookups[-1][2])
-    for step in steps[4:]:  # forward: "name = previous op = result"
-        assert int(step[2]) == value
-        value = value + int(step[3])
-        assert int(step[5]) == value
-    assert task.answer == str(value) == str(solve(task.prompt))
+    offset = 0
+    for line in lines[:-1]:  # "name parent operator offset": the fact copied, then the running offset
+        assert line[0] == name and tuple(line[1:3]) == definitions[name]
+        offset += int(line[2])
+        assert line[3] == (f"+{offset}" if offset >= 0 else str(offset))
+        name = line[1]
+    root = lines[-1]  # "name number result"
+    assert root[0] == name and (root[1],) == definitions[name]
+    assert int(root[2]) == int(root[1]) + offset
+    assert task.target.split()[-2:] == ["#", root[2]]
+    assert task.answer == root[2] == str(solve(task.prompt))
 
 
 def test_fact_positions_point_at_the_defined_names() -> None:
     task = generate_task(TaskConfig(context_tokens=1024, hops=3), "test", 1)
     tokens = ["<bos>"] + task.prompt.split()
-    names = [tokens[p] for p in task.questions[0].fact_positions]
-    assert all(tokens[p + 1] == ";" and tokens[p - 1] == "=" for p in task.questions[0].fact_positions)
+    positions = task.questions[0].fact_positions
+    names = [tokens[p] for p in positions]
+    assert all(tokens[p + 2] == ";" or tokens[p + 3] == ";" for p in positions)  # the name opens its fact
+    assert all(tuple(tokens[p + 1 : tokens.index(";", p)]) == parse_definitions(task.prompt)[tokens[p]] for p in positions)
     assert task.questions[0].name in names and len(set(names)) == 4
 
 
@@ -90,12 +92,14 @@ def test_config_rejects_impossible_knobs() -> None:
         TaskConfig(hops=2, min_hops=3)
     with pytest.raises(ValueError):
         TaskConfig(num_facts=4, hops=3, distractors=1)
+    with pytest.raises(ValueError):
+        TaskConfig(hops=7)  # running offsets would leave the vocabulary
     assert dataclasses.replace(TaskConfig(), context_tokens=4096).fact_count <= 52
 
 
 def test_scoring_is_exact_match_of_the_final_answer() -> None:
-    assert extract_final_answer("a = 3 ; # 42") == "42"
-    assert extract_final_answer("a = 3 ;") is None
+    assert extract_final_answer("a 3 3 ; # 42") == "42"
+    assert extract_final_answer("a 3 3 ;") is None
     assert exact_match("x # 7 # 8", "7") and not exact_match("# 70", "7")
     assert accuracy(["# 1", "# 2"], ["1", "3"]) == 0.5
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpop.reference.drills import Drill, drill_words
 from kvpop.reference.tokenizer import BOS, EOS, PAD, VOCAB, encode_words
 from kvpop.tasks import Task, TaskConfig, generate_task
 from kvpop.tasks.generator import FORMAT, question_words
@@ -53,18 +54,32 @@ def encode_task(task: Task) -> tuple[list[int], list[int], list[int], list[int]]
     return ids, labels, roles, questions
 
 
-def collate(tasks: list[Task]) -> Batch:
-    encoded = [encode_task(task) for task in tasks]
+def encode_drill(drill: Drill, index: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Like encode_task; every drill target counts as its own question."""
+    words, word_roles = drill_words(drill, index)
+    ids = [VOCAB[BOS]] + encode_words(words)
+    targets = ["none"] + word_roles
+    labels = [ids[i + 1] if targets[i + 1] != "none" else IGNORE for i in range(len(ids) - 1)] + [IGNORE]
+    roles = [ROLE_IDS[targets[i + 1]] for i in range(len(ids) - 1)] + [0]
+    questions = [0 if targets[i + 1] != "none" else -1 for i in range(len(ids) - 1)] + [-1]
+    return ids, labels, roles, questions
+
+
+Example = Task | tuple[Drill, int]
+
+
+def collate(tasks: list[Example]) -> Batch:
+    encoded = [encode_task(task) if isinstance(task, Task) else encode_drill(*task) for task in tasks]
     length = max(len(ids) for ids, *_ in encoded)
     rows: list[list[list[int]]] = [[], [], [], []]
     offset = 0
-    for (ids, labels, roles, questions), task in zip(encoded, tasks):
+    for ids, labels, roles, questions in encoded:
         pad = length - len(ids)
         rows[0].append(ids + [VOCAB[PAD]] * pad)
         rows[1].append(labels + [IGNORE] * pad)
         rows[2].append(roles + [0] * pad)
         rows[3].append([q + offset if q >= 0 else -1 for q in questions] + [-1] * pad)
-        offset += len(task.questions)
+        offset += max(questions) + 1
     tensors = [torch.tensor(row, dtype=torch.long) for row in rows]
     return Batch(*tensors, num_questions=offset)
 
@@ -75,13 +90,17 @@ class TrainingStream:
     def __init__(self, next_index: int = 0) -> None:
         self.next_index = next_index
 
-    def batch(self, mixture: tuple[TaskConfig, ...], tokens_per_batch: int) -> Batch:
+    def batch(self, mixture: tuple[TaskConfig | Drill, ...], tokens_per_batch: int) -> Batch:
         config = mixture[random.Random(self.next_index).randrange(len(mixture))]
-        tasks: list[Task] = []
+        examples: list[Example] = []
         tokens = 0
         while tokens < tokens_per_batch:
-            task = generate_task(config, "train", self.next_index)
+            if isinstance(config, TaskConfig):
+                task = generate_task(config, "train", self.next_index)
+                examples.append(task)
+                tokens += 1 + len(task.context) + sum(3 + len(q.reasoning) for q in task.questions) + 1
+            else:
+                examples.append((config, self.next_index))
+                tokens += 1 + len(drill_words(config, self.next_index)[0])
             self.next_index += 1
-            tasks.append(task)
-            tokens += 1 + len(task.context) + sum(3 + len(q.reasoning) for q in task.questions) + 1
-        return collate(tasks)
+        return collate(examples)

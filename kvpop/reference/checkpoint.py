@@ -34,6 +34,7 @@ class TrainingState:
     curriculum: CurriculumState = field(default_factory=CurriculumState)
     history: list[dict] = field(default_factory=list)  # validation measurements
     exported_rank: tuple[int, float] = (-1, -1.0)  # (stage, gate accuracy) of the exported model
+    notes: list[str] = field(default_factory=list)  # changes made to the run, e.g. a widened MLP
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -90,6 +91,7 @@ def summarize(state: TrainingState, parameters: int, threads: int, tokens_per_se
         "stages": [asdict(record) for record in state.curriculum.records],
         "last_validation": state.history[-1] if state.history else None,
         "model_config": asdict(state.model_config),
+        "notes": list(state.notes),
     }
 
 

@@ -1,8 +1,8 @@
 """Curriculum: stages of task distributions, advanced by measured accuracy, never by the clock.
 
-Retrieval is the skill that forms slowly (issue 3), so the first stage is dense associative
-recall: short contexts, many queries per sequence, every answer in the loss. Chains of facts
-come next at short lengths, then the benchmark lengths themselves (RoPE models do not
+Retrieval is the skill that forms slowly (issue 3), so the first stage is dense drills of the
+one circuit every lookup uses (kvpop.reference.drills) next to short recall questions. Chains
+of facts come next at short lengths, then the benchmark lengths themselves (RoPE models do not
 extrapolate, so each length is trained before it is evaluated). Later stages keep sampling the
 shorter distributions so earlier skills are not forgotten.
 """
@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvpop.reference.drills import Drill, LookupDrill, RepeatDrill
 from kvpop.tasks import TaskConfig
 
 
 @dataclass(frozen=True)
 class Stage:
     name: str
-    mixture: tuple[TaskConfig, ...]  # each training sequence draws one of these uniformly
+    mixture: tuple[TaskConfig | Drill, ...]  # each training batch draws one of these uniformly
     gate: TaskConfig  # validation distribution that decides when to move on
     threshold: float = 0.9  # gate accuracy (every chain-of-thought token right) needed to advance
     tokens_per_batch: int = 4096
@@ -32,18 +33,22 @@ def _benchmark(context_tokens: int) -> TaskConfig:
 
 
 RECALL_96 = TaskConfig(context_tokens=96, hops=0, num_facts=16, distractors=0, questions=6)
-RECALL_192 = TaskConfig(context_tokens=192, hops=0, num_facts=32, distractors=0, questions=8)
+RECALL_96_DENSE = TaskConfig(context_tokens=96, hops=0, num_facts=16, distractors=0, questions=12)
 
-# Recall stages ask far fewer questions than there are facts: when every fact was asked once,
-# the model learned to answer "a context number not answered yet" (41% by the 6th of 6 questions
-# over 8 facts) instead of looking the name up.
+# Recall questions ask far fewer questions than there are facts: when every fact was asked once,
+# the model learned to answer "a context number not answered yet" instead of looking names up.
 STAGES: tuple[Stage, ...] = (
-    Stage(name="recall-96", mixture=(RECALL_96,), gate=RECALL_96),
-    Stage(name="recall-192", mixture=(RECALL_96, RECALL_192), gate=RECALL_192),
+    Stage(
+        name="recall-96",
+        mixture=(LookupDrill(num_facts=8, num_lookups=24), RepeatDrill(), RECALL_96_DENSE),
+        gate=RECALL_96,
+        tokens_per_batch=2048,
+    ),
     Stage(
         name="chains-128",
-        mixture=(RECALL_192, _chains(128, 16, questions=3)),
+        mixture=(LookupDrill(num_facts=16, num_lookups=32), RECALL_96, _chains(128, 16, questions=3)),
         gate=_chains(128, 16, questions=3),
+        tokens_per_batch=2048,
     ),
     Stage(
         name="chains-256",

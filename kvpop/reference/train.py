@@ -31,7 +31,7 @@ from kvpop.reference.checkpoint import (
     save_checkpoint,
     summarize,
 )
-from kvpop.reference.model import ReferenceModelConfig, build_model
+from kvpop.reference.model import ReferenceModelConfig, build_model, widen_mlp
 from kvpop.reference.model_card import render_card
 from kvpop.reference.validation import validate
 from kvpop.tasks import generate_split
@@ -44,13 +44,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--hours", type=float, default=None, help="wall-clock limit of this run")
     parser.add_argument("--max-total-hours", type=float, default=8.0, help="training budget over all runs")
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--warmup-steps", type=int, default=200)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup-steps", type=int, default=100)
     parser.add_argument("--weight-decay", type=float, default=0.01)
-    parser.add_argument("--eval-every-tokens", type=int, default=500_000)
+    parser.add_argument("--eval-every-tokens", type=int, default=2_000_000)
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast (faster for models of a few million parameters and up)")
     parser.add_argument("--val-tasks", type=int, default=128)
     parser.add_argument("--checkpoint-minutes", type=float, default=10.0)
     parser.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint")
+    parser.add_argument("--widen-mlp", type=int, default=None, help="resume with MLPs widened to this size (keeps what was learned)")
     return parser.parse_args(argv)
 
 
@@ -68,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         model.load_state_dict(payload["model"])
         optimizer.load_state_dict(payload["optimizer"])
         restore_rng(payload)
+        if args.widen_mlp is not None and args.widen_mlp != state.model_config.intermediate_size:
+            model, state.model_config = widen_mlp(model, state.model_config, args.widen_mlp)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=args.weight_decay)
+            state.notes.append(f"step {state.step}: MLP widened to {args.widen_mlp} (fresh optimizer state)")
         print(f"resumed at step {state.step}, {state.tokens / 1e6:.1f}M tokens, stage {state.curriculum.current.name}", flush=True)
     parameters = sum(p.numel() for p in model.parameters())
     print(f"model: {parameters} parameters {asdict(state.model_config)}; threads {args.threads}", flush=True)
@@ -113,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             group["lr"] = lr
         step_start = time.monotonic()
         batch = stream.batch(stage.mixture, stage.tokens_per_batch)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
             logits = model(input_ids=batch.input_ids).logits  # (B, T, V)
         loss = F.cross_entropy(logits.float().flatten(0, 1), batch.labels.flatten(), ignore_index=IGNORE)
         optimizer.zero_grad(set_to_none=True)

@@ -42,9 +42,7 @@ def validate(model: LlamaForCausalLM, tasks: list[Task], tokens_per_batch: int =
         chunk = tasks[start : start + max(1, tokens_per_batch // length)]
         start += len(chunk)
         batch = collate(chunk)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = model(input_ids=batch.input_ids).logits  # (B, T, V)
-        logits = logits.float()
+        logits = model(input_ids=batch.input_ids).logits.float()  # (B, T, V)
         mask = batch.labels != IGNORE  # (B, T)
         loss_sum += float(F.cross_entropy(logits[mask], batch.labels[mask], reduction="sum"))
         loss_tokens += int(mask.sum())

@@ -1,13 +1,21 @@
 """Long-context multi-step arithmetic tasks, deterministic by (split, index).
 
 A task is a context of facts scattered through filler, then a question `? d :` about one
-variable. Facts are written value-first (`12 = b ;`, `b +5 = c ;`): the defined name comes
-last, so a name's position can gather its right-hand side and a lookup can match the name
-itself (issue 3 found value-first facts easier to learn; measured here, `12 = b` also beat
-`12 b`). Answering needs the whole chain of facts from the asked variable back to a number,
-so the chain of thought first looks every fact up (`d = c -3 ; c = b +5 ; b = 12 ;`), then
-computes forward, reading its own intermediate results back (`c = 12 +5 = 17 ;
-d = 17 -3 = 14 ;`), then answers (`# 14`).
+variable. A fact names the variable first and then defines it: `b 12 ;` (b is 12) or
+`c b +5 ;` (c is b + 5). Answering needs the whole chain of facts from the asked variable back
+to a number, and the chain of thought walks it, one line per fact:
+
+    ? d :  d c -3 -3 ;  c b +5 +2 ;  b 12 14 ;  # 14
+
+Each line copies a fact from the context verbatim (`d c -3`) and then writes the running
+offset from the asked variable (-3, then -3 +5 = +2); the root's line writes its number and
+the result (12 +2 = 14). So the model reads its own intermediate result back at every step,
+every computation involves only the last few tokens, and every long-range read is the copy of
+one fact keyed on its name: after writing `c` the model continues the one place in the
+context where `c` opened a fact. The name is the query token on purpose: small models learn
+that copy within a few million tokens, while a separator between name and value (`c = ...`),
+or the name after its value (`12 = b`), kept them at chance for tens of millions (measured;
+docs/reference_model/TRAINING_NOTES.md).
 Eviction matters because the needed facts sit anywhere in the context, while distractors
 (other chains, and "near-miss" facts that use a chain variable on their right-hand side)
 defeat any lookup that is not keyed on the defined name.
@@ -20,16 +28,17 @@ from dataclasses import asdict, dataclass
 
 from kvpop.tasks.language import (
     ANSWER_START,
-    EQUALS,
     FACT_END,
     FILLER_WORDS,
     FINAL,
+    MAX_HOPS,
     MAX_VALUE,
     NAMES,
     OPERATORS,
     QUESTION,
     SENTENCE_END,
     apply_operator,
+    offset_word,
 )
 
 SPLITS: tuple[str, ...] = ("train", "validation", "test")
@@ -38,7 +47,7 @@ _SPLIT_STRIDE = 1 << 40  # seeds of different splits never overlap: split k owns
 # Roles of chain-of-thought tokens, for diagnostics: which skill predicting the token needs.
 RETRIEVE = "retrieve"  # read from a fact in the context (the long-range lookup)
 COPY = "copy"  # read back from the question or the chain of thought itself
-COMPUTE = "compute"  # arithmetic on the two previous tokens
+COMPUTE = "compute"  # arithmetic on recent tokens of the chain of thought
 FORMAT = "format"  # fixed by the answer grammar
 
 QUESTION_TOKENS = 3  # "? name :"
@@ -58,8 +67,10 @@ class TaskConfig:
     name_pool: int = len(NAMES)  # names are drawn from the first name_pool names; small pools ease early training
 
     def __post_init__(self) -> None:
-        if self.hops < 0 or (self.min_hops is not None and not 0 <= self.min_hops <= self.hops):
-            raise ValueError(f"need 0 <= min_hops <= hops, got min_hops={self.min_hops} hops={self.hops}")
+        if not 0 <= self.hops <= MAX_HOPS or (self.min_hops is not None and not 0 <= self.min_hops <= self.hops):
+            raise ValueError(
+                f"need 0 <= min_hops <= hops <= {MAX_HOPS}, got min_hops={self.min_hops} hops={self.hops}"
+            )
         if self.questions < 1:
             raise ValueError(f"questions must be >= 1, got {self.questions}")
         chain_facts = self.questions * (self.hops + 1)
@@ -69,7 +80,7 @@ class TaskConfig:
                 f"name_pool={self.name_pool} <= {len(NAMES)}]: "
                 f"{self.questions} question chain(s) of {self.hops + 1} facts plus {self.near_miss_facts} near-miss facts"
             )
-        needed = BOS_TOKENS + 5 * self.fact_count + QUESTION_TOKENS
+        needed = BOS_TOKENS + 4 * self.fact_count + QUESTION_TOKENS
         if self.context_tokens < needed:
             raise ValueError(f"context_tokens={self.context_tokens} cannot hold {self.fact_count} facts (needs {needed})")
 
@@ -87,7 +98,7 @@ class TaskConfig:
 
 @dataclass(frozen=True)
 class Fact:
-    """`name` is defined as a number (root) or as `parent <operator>`."""
+    """`name` is defined as a number (root) or as `parent <operator>`; written name first."""
 
     name: str
     value: int
@@ -97,8 +108,8 @@ class Fact:
     @property
     def words(self) -> tuple[str, ...]:
         if self.parent is None:
-            return (str(self.value), EQUALS, self.name, FACT_END)
-        return (self.parent, self.operator, EQUALS, self.name, FACT_END)
+            return (self.name, str(self.value), FACT_END)
+        return (self.name, self.parent, self.operator, FACT_END)
 
 
 @dataclass(frozen=True)
@@ -214,8 +225,8 @@ def _lay_out(rng: random.Random, facts: list[Fact], context_tokens: int) -> tupl
     for gap, fact in zip(gaps, facts + [None]):
         words.extend(_filler(rng, gap))
         if fact is not None:
+            positions[fact.name] = BOS_TOKENS + len(words)  # the defined name opens its fact
             words.extend(fact.words)
-            positions[fact.name] = BOS_TOKENS + len(words) - 2  # the defined name precedes ";"
     return words, positions
 
 
@@ -224,6 +235,7 @@ def _filler(rng: random.Random, count: int) -> list[str]:
 
 
 def _question(chain: list[Fact], positions: dict[str, int]) -> Question:
+    """Chain of thought: one line per fact from the asked name to the root, then `# answer`."""
     words: list[str] = []
     roles: list[str] = []
 
@@ -231,22 +243,17 @@ def _question(chain: list[Fact], positions: dict[str, int]) -> Question:
         words.append(word)
         roles.append(role)
 
-    for fact in reversed(chain):  # look every fact up, from the asked name back to the root
-        emit(fact.name, COPY)
-        emit(EQUALS, FORMAT)
+    offset = 0  # asked value = root value + offset of the facts looked up so far
+    for fact in reversed(chain):
+        emit(fact.name, COPY)  # the asked name, or the parent named by the previous line
         if fact.parent is None:
             emit(str(fact.value), RETRIEVE)
+            emit(str(fact.value + offset), COMPUTE)
         else:
             emit(fact.parent, RETRIEVE)
             emit(fact.operator, RETRIEVE)
-        emit(FACT_END, FORMAT)
-    for previous, fact in zip(chain, chain[1:]):  # compute forward, reading results back
-        emit(fact.name, COPY)
-        emit(EQUALS, FORMAT)
-        emit(str(previous.value), COPY)
-        emit(fact.operator, COPY)
-        emit(EQUALS, FORMAT)
-        emit(str(fact.value), COMPUTE)
+            offset += int(fact.operator)
+            emit(offset_word(offset), COMPUTE)
         emit(FACT_END, FORMAT)
     emit(FINAL, FORMAT)
     emit(str(chain[-1].value), COPY)

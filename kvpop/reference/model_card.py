@@ -73,6 +73,7 @@ def render_card(summary: dict, evaluation: dict | None = None) -> str:
         f"Trained so far: {summary['step']} steps, {_millions(summary['tokens'])} tokens, "
         f"{summary['hours']:.2f} hours of CPU wall time ({summary.get('tokens_per_second', 0):.0f} tokens/s "
         f"on {summary.get('threads', '?')} thread(s)).",
+        *[f"Run change at {note}." for note in summary.get("notes", [])],
         "",
         "## Measured accuracy (test split, greedy, exact match)",
         "",

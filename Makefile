@@ -18,8 +18,12 @@ PID_FILE := run/tritonserver.pid
 
 REFERENCE := models/reference
 THREADS ?= $(shell nproc)
-TASKS_FILE := build/tasks/test-512.jsonl
+TASK_FACTS ?=# facts per benchmark task; empty: the default density (one per 12 tokens)
+TASKS_FILE ?= build/tasks/test-512$(if $(TASK_FACTS),-facts$(TASK_FACTS)).jsonl
 QUALITY_DIR ?= docs/quality
+# Protected recent window of kvpop/h2o on the reference model: its chain of thought reads back at
+# most ~12 tokens, and a 64-token window would leave no long-range slots at 88% of a 512-token task.
+KV_WINDOW ?= 16
 USERS ?= 16
 DURATION ?= 60s
 PROTOCOL ?= http
@@ -74,13 +78,13 @@ eval-reference: setup  ## full-cache and StreamingLLM accuracy of the reference 
 		--out docs/reference_model
 
 train-scorer: setup  ## train the KVpop scorers (mLSTM + MLP) for MODEL (default: the reference model) into MODEL/scorer
-	$(PY) -m kvpop.scorer.train --model $(or $(MODEL),$(REFERENCE))
+	$(PY) -m kvpop.scorer.train --model $(or $(MODEL),$(REFERENCE)) --window $(KV_WINDOW)
 
 tasks: setup  ## write the reference test split (512-token contexts) to build/tasks/
-	$(PY) -m kvpop.tasks write --split test --num 200 --context-tokens 512 --out $(TASKS_FILE)
+	$(PY) -m kvpop.tasks write --split test --num 200 --context-tokens 512 $(if $(TASK_FACTS),--num-facts $(TASK_FACTS)) --out $(TASKS_FILE)
 
 eval-sweep: tasks  ## every policy x compression 0-94% on the test split: docs/quality/ (JSON, markdown, plot)
-	$(PY) -m kvpop.eval --model model_repository/kvpop_engine/1 --tasks $(TASKS_FILE) --sweep --out-dir $(QUALITY_DIR)
+	$(PY) -m kvpop.eval --model model_repository/kvpop_engine/1 --tasks $(TASKS_FILE) --sweep --window $(KV_WINDOW) --out-dir $(QUALITY_DIR)
 	@test ! -f $(KVPRESS_OUT) || $(PY) -m benchmarks.kvpress_compare merge --kvpress $(KVPRESS_OUT) --sweep-dir $(QUALITY_DIR)
 
 # NVIDIA kvpress as an outside peer, in its own environment (it pins transformers<5.3 and numpy 2).

@@ -59,15 +59,30 @@ def read_texts(path: Path) -> list[str]:
     return texts
 
 
-def task_texts(num: int, lengths: tuple[int, ...] = DEFAULT_TASK_LENGTHS, split: str = "train") -> list[str]:
-    """`num` reference-task texts (prompt and chain of thought), cycling through the prompt lengths."""
-    from kvpop.tasks import TaskConfig, generate_task
+def task_texts(
+    num: int, lengths: tuple[int, ...] = DEFAULT_TASK_LENGTHS, split: str = "train", questions: int = 8
+) -> list[str]:
+    """`num` reference-task texts (context, then several questions with their chains of thought),
+    cycling through the prompt lengths and two fact densities.
 
-    configs = [TaskConfig(context_tokens=length) for length in lengths]
+    Several questions per context, because the scorer must learn what a token is worth before the
+    question is known: with one question, the facts nobody asked get the same near-zero future
+    attention as filler, and the ranking loss cannot tell "a fact" from "filler". With questions
+    covering most of the facts, the target approaches the attention a fact gets over the question
+    distribution (measured: pairwise accuracy alone hid this; sweep in docs/quality).
+    """
+    from kvpop.tasks import TaskConfig, generate_task
+    from kvpop.tasks.generator import question_words
+
+    configs = [TaskConfig(context_tokens=length, questions=questions) for length in lengths]
+    configs += [TaskConfig(context_tokens=length, num_facts=16, questions=3) for length in lengths]
     texts = []
     for index in range(num):
         task = generate_task(configs[index % len(configs)], split, index)
-        texts.append(f"{task.prompt} {task.target}")
+        words = list(task.context)
+        for question in task.questions:
+            words += [*question_words(question.name), *question.reasoning]
+        texts.append(" ".join(words))
     return texts
 
 

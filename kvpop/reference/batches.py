@@ -34,8 +34,19 @@ class Batch:
         return int((self.labels != IGNORE).sum())
 
 
-def encode_task(task: Task) -> tuple[list[int], list[int], list[int], list[int]]:
-    """ids, labels, roles and question index per position (labels already shifted by one)."""
+Encoded = tuple[list[int], list[int], list[int], list[int]]  # ids, labels, roles, question per position
+Example = Task | tuple[Drill, int]  # a task, or (drill, index) for drill_words
+
+
+def _encode(ids: list[int], targets: list[tuple[str, int]]) -> Encoded:
+    """(role, question) of each token as a target -> labels, roles, questions; position i predicts token i + 1."""
+    labels = [ids[i + 1] if targets[i + 1][0] != "none" else IGNORE for i in range(len(ids) - 1)] + [IGNORE]
+    roles = [ROLE_IDS[targets[i + 1][0]] for i in range(len(ids) - 1)] + [0]
+    questions = [targets[i + 1][1] for i in range(len(ids) - 1)] + [-1]
+    return ids, labels, roles, questions
+
+
+def encode_task(task: Task) -> Encoded:
     words = list(task.context)
     targets: list[tuple[str, int]] = []  # (role, question) for each word, aligned with words
     targets += [("none", -1)] * len(words)
@@ -46,30 +57,25 @@ def encode_task(task: Task) -> tuple[list[int], list[int], list[int], list[int]]
         words += question.reasoning
         targets += [(role, q) for role in question.roles]
     ids = [VOCAB[BOS]] + encode_words(words) + [VOCAB[EOS]]
-    targets = [("none", -1)] + targets + [(FORMAT, len(task.questions) - 1)]
-    # position i predicts token i + 1
-    labels = [ids[i + 1] if targets[i + 1][0] != "none" else IGNORE for i in range(len(ids) - 1)] + [IGNORE]
-    roles = [ROLE_IDS[targets[i + 1][0]] for i in range(len(ids) - 1)] + [0]
-    questions = [targets[i + 1][1] for i in range(len(ids) - 1)] + [-1]
-    return ids, labels, roles, questions
+    return _encode(ids, [("none", -1)] + targets + [(FORMAT, len(task.questions) - 1)])
 
 
-def encode_drill(drill: Drill, index: int) -> tuple[list[int], list[int], list[int], list[int]]:
-    """Like encode_task; every drill target counts as its own question."""
-    words, word_roles = drill_words(drill, index)
+def encode_drill(drill: Drill, index: int) -> Encoded:
+    """Like encode_task; all targets of a drill count as one question."""
+    words, roles = drill_words(drill, index)
     ids = [VOCAB[BOS]] + encode_words(words)
-    targets = ["none"] + word_roles
-    labels = [ids[i + 1] if targets[i + 1] != "none" else IGNORE for i in range(len(ids) - 1)] + [IGNORE]
-    roles = [ROLE_IDS[targets[i + 1]] for i in range(len(ids) - 1)] + [0]
-    questions = [0 if targets[i + 1] != "none" else -1 for i in range(len(ids) - 1)] + [-1]
-    return ids, labels, roles, questions
+    return _encode(ids, [("none", -1)] + [(role, -1 if role == "none" else 0) for role in roles])
 
 
-Example = Task | tuple[Drill, int]
+def encode(example: Example) -> Encoded:
+    return encode_task(example) if isinstance(example, Task) else encode_drill(*example)
 
 
-def collate(tasks: list[Example]) -> Batch:
-    encoded = [encode_task(task) if isinstance(task, Task) else encode_drill(*task) for task in tasks]
+def collate(examples: list[Example]) -> Batch:
+    return pad_batch([encode(example) for example in examples])
+
+
+def pad_batch(encoded: list[Encoded]) -> Batch:
     length = max(len(ids) for ids, *_ in encoded)
     rows: list[list[list[int]]] = [[], [], [], []]
     offset = 0
@@ -92,15 +98,13 @@ class TrainingStream:
 
     def batch(self, mixture: tuple[TaskConfig | Drill, ...], tokens_per_batch: int) -> Batch:
         config = mixture[random.Random(self.next_index).randrange(len(mixture))]
-        examples: list[Example] = []
+        encoded: list[Encoded] = []
         tokens = 0
         while tokens < tokens_per_batch:
             if isinstance(config, TaskConfig):
-                task = generate_task(config, "train", self.next_index)
-                examples.append(task)
-                tokens += 1 + len(task.context) + sum(3 + len(q.reasoning) for q in task.questions) + 1
+                encoded.append(encode_task(generate_task(config, "train", self.next_index)))
             else:
-                examples.append((config, self.next_index))
-                tokens += 1 + len(drill_words(config, self.next_index)[0])
+                encoded.append(encode_drill(config, self.next_index))
+            tokens += len(encoded[-1][0])
             self.next_index += 1
-        return collate(examples)
+        return pad_batch(encoded)

@@ -59,7 +59,9 @@ def build_model(config: ReferenceModelConfig) -> LlamaForCausalLM:
 
 
 @torch.no_grad()
-def widen_mlp(model: LlamaForCausalLM, config: ReferenceModelConfig, intermediate_size: int) -> tuple[LlamaForCausalLM, ReferenceModelConfig]:
+def widen_mlp(
+    model: LlamaForCausalLM, config: ReferenceModelConfig, intermediate_size: int
+) -> tuple[LlamaForCausalLM, ReferenceModelConfig]:
     """The same function with wider MLPs: new units get small random inputs and zero outputs.
 
     Lets a run that has formed its retrieval circuit (the slow, stochastic part) gain capacity for

@@ -37,12 +37,13 @@ def random_sequence(length: int, seed: int = 0, config: ScorerConfig = CONFIGS["
 
 @pytest.mark.parametrize("window", [0, 3, 10])
 @pytest.mark.parametrize("block_size", [1, 7, 64])
-def test_blockwise_targets_match_dense(window, block_size):
+@pytest.mark.parametrize("first_query", [0, 30])
+def test_blockwise_targets_match_dense(window, block_size, first_query):
     generator = torch.Generator().manual_seed(window)
     query = 2 * torch.randn(6, 50, 8, generator=generator)  # 6 query heads share 2 KV heads
     key = 2 * torch.randn(2, 50, 8, generator=generator)
-    blockwise = attention_received(query, key, window, block_size=block_size)
-    dense = dense_attention_received(query, key, window)
+    blockwise = attention_received(query, key, window, block_size=block_size, first_query=first_query)
+    dense = dense_attention_received(query, key, window, first_query=first_query)
     assert blockwise.future.shape == blockwise.window.shape == (2, 50 - window)
     torch.testing.assert_close(blockwise.future, dense.future, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(blockwise.window, dense.window, atol=1e-5, rtol=1e-5)
@@ -88,6 +89,34 @@ def test_traces_record_cached_keys_and_model_attention(tiny_hf_model_dir):
     in_window = (relative * (query_position <= token_position + 8)).sum(2)[..., : length - 8]
     expected = in_window.reshape(layers, 2, query_heads // 2, -1).sum(2).log()
     torch.testing.assert_close(trace.window_attention, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_continuations_average_context_targets_over_runs(tiny_hf_model_dir):
+    """A context with two continuations: only continuation queries count, and a context token's target
+    is the mean over both runs (per query head, then max over the group, log)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvpop.scorer.targets import future_importance
+    from kvpop.scorer.traces import TraceText, collect_traces
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_hf_model_dir, attn_implementation="eager").eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_hf_model_dir)
+    text = TraceText("Facts sit in a long context between filler words.", ("Which fact?", "The other one, please."))
+    (trace,) = collect_traces(model, tokenizer, [text], window=4, progress=False)
+    context = tokenizer(text.context, return_tensors="pt").input_ids.shape[1]
+    means = []
+    for run in text.runs():
+        input_ids = tokenizer(run, return_tensors="pt").input_ids
+        with torch.no_grad():
+            probs = torch.stack(model(input_ids, output_attentions=True).attentions)[:, 0]  # (L, Hq, S, S)
+        length = input_ids.shape[1]
+        query, token = torch.arange(length)[:, None], torch.arange(length)[None, :]
+        counted = (query >= token + 4) & (query >= context)  # (S, S) [query d, token t]
+        mean = (probs * counted).sum(2) / counted.sum(0).clamp_min(1)  # (L, Hq, S)
+        means.append(mean[..., : context - 4].reshape(mean.shape[0], 2, -1, context - 4))
+    expected = future_importance(torch.stack(means).mean(0))
+    assert trace.length == tokenizer(text.runs()[0], return_tensors="pt").input_ids.shape[1]
+    torch.testing.assert_close(trace.target[..., : context - 4], expected, atol=1e-4, rtol=1e-4)
 
 
 # -- network ------------------------------------------------------------------------------------

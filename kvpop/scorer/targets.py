@@ -21,14 +21,25 @@ LOG_FLOOR = math.log(1e-30)  # log target of a token no future query attends to 
 BLOCK_ELEMENTS = 1 << 25  # default block: Hq * block * S <= 32M probabilities (128 MiB; ~6x in temporaries)
 
 
+def future_importance(mean: torch.Tensor) -> torch.Tensor:
+    """The target from per-query-head mean future attention: max over the group, in log space.
+    (..., Hkv, G, N) -> (..., Hkv, N). Means of several continuations of one context may be averaged first."""
+    return torch.log(mean.amax(dim=-2)).clamp_min(LOG_FLOOR)
+
+
 @dataclass
 class AttentionReceived:
     """What each token that leaves the window within a trace received, per KV head (log space)."""
 
-    future: torch.Tensor  # (Hkv, S - w) the target: mean over queries d >= t + w, max over the group
+    future_mean: torch.Tensor  # (Hkv, G, S - w) mean attention from queries d >= t + w, per query head
     window: torch.Tensor  # (Hkv, S - w) what is known when t leaves: the attention from queries
     # d in [t, t + w], each times the d + 1 keys it saw (relative to uniform, so it reads the same in a
     # budget-sized cache), summed over them and the group. A scorer input and a baseline.
+
+    @property
+    def future(self) -> torch.Tensor:
+        """(Hkv, S - w) the target: mean over queries d >= t + w, max over the group, log."""
+        return future_importance(self.future_mean)
 
 
 def attention_received(
@@ -37,11 +48,14 @@ def attention_received(
     window: int,
     scaling: float | None = None,
     block_size: int | None = None,
+    first_query: int = 0,
 ) -> AttentionReceived:
     """Future-attention targets (and the in-window baseline) of the tokens that leave the window.
 
     Tokens t > S - 1 - w never leave the window within the trace and get none. `block_size` queries
-    are processed at a time (default: as many as fit in BLOCK_ELEMENTS).
+    are processed at a time (default: as many as fit in BLOCK_ELEMENTS). Only queries d >= first_query
+    count toward the target: in a task trace those are the question and its chain of thought, the
+    tokens whose prediction eviction must not change; what filler queries attend to does not matter.
     """
     query_heads, length, dim = query.shape
     kv_heads = key.shape[0]
@@ -60,19 +74,20 @@ def attention_received(
         logits = grouped[:, :, begin:end] @ key[:, None, :end].transpose(2, 3) * scaling  # (Hkv, G, b, end)
         logits = logits.masked_fill(token[None, :end] > rows, float("-inf"))  # causal
         probs = torch.softmax(logits, dim=-1)
-        after = token[None, :end] <= rows - window  # (b, end): query d counts for t iff d >= t + w
+        after = (token[None, :end] <= rows - window) & (rows >= first_query)  # (b, end): d >= t + w, d >= first
         future[:, :, :end] += (probs * after).sum(dim=2)
         relative = probs * (rows + 1)  # d + 1 keys visible to query d
         in_window[:, :, :end] += (relative * (token[None, :end] >= rows - window)).sum(dim=2)
-    count = (length - window - token[:scored]).float()  # queries d in [t + w, S)
-    mean = future[:, :, :scored] / count  # (Hkv, G, S - w)
+    count = (length - torch.clamp_min(token[:scored] + window, first_query)).clamp_min(1).float()  # d in [max(t + w, first), S)
     return AttentionReceived(
-        future=torch.log(mean.amax(dim=1)).clamp_min(LOG_FLOOR),
+        future_mean=future[:, :, :scored] / count,  # (Hkv, G, S - w)
         window=torch.log(in_window[:, :, :scored].sum(dim=1)).clamp_min(LOG_FLOOR),
     )
 
 
-def dense_attention_received(query: torch.Tensor, key: torch.Tensor, window: int, scaling: float | None = None):
+def dense_attention_received(
+    query: torch.Tensor, key: torch.Tensor, window: int, scaling: float | None = None, first_query: int = 0
+):
     """The same quantities from the full S x S attention matrix (reference for tests, small inputs only)."""
     query_heads, length, dim = query.shape
     kv_heads = key.shape[0]
@@ -83,12 +98,14 @@ def dense_attention_received(query: torch.Tensor, key: torch.Tensor, window: int
     logits = logits.masked_fill(token[None, :] > token[:, None], float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     query_position, token_position = token[:, None], token[None, :]  # (S, 1), (1, S)
-    future = query_position >= token_position + window  # (S, S) [query, token]
+    future = (query_position >= token_position + window) & (query_position >= first_query)  # (S, S) [query, token]
     in_window = (query_position >= token_position) & (query_position <= token_position + window)
-    means = torch.stack([probs[:, future[:, t], t].mean(dim=1) for t in range(length - window)], dim=1)
+    means = torch.stack(
+        [probs[:, future[:, t], t].sum(dim=1) / max(int(future[:, t].sum()), 1) for t in range(length - window)], dim=1
+    )
     sums = (probs * (query_position + 1) * in_window).sum(dim=1)[:, : length - window]  # (Hq, S - w)
     group = query_heads // kv_heads
     return AttentionReceived(
-        future=torch.log(means.reshape(kv_heads, group, -1).amax(dim=1)).clamp_min(LOG_FLOOR),
+        future_mean=means.reshape(kv_heads, group, -1),
         window=torch.log(sums.reshape(kv_heads, group, -1).sum(dim=1)).clamp_min(LOG_FLOOR),
     )

@@ -18,13 +18,14 @@ records, and delegates to SDPA, so the model's outputs are unchanged.
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from kvpop.scorer.targets import attention_received
+from kvpop.scorer.targets import attention_received, future_importance
 
 CAPTURE_ATTENTION = "kvpop_trace"
 DEFAULT_TASK_LENGTHS = (512, 1024, 2048)  # prompt lengths of the reference benchmark
@@ -44,45 +45,71 @@ class Trace:
         return self.key.shape[2]
 
 
-def read_texts(path: Path) -> list[str]:
-    """Texts from a JSONL file: a "text" field, or a task's "prompt" followed by its "target" when present
-    (the chain of thought is where decode-time eviction happens, so it belongs in the traces)."""
+@dataclass(frozen=True)
+class TraceText:
+    """A context, and optionally several continuations of it (say, questions about different facts).
+
+    With continuations, the model runs once per continuation, only the continuation's queries count
+    toward the targets (they are what must still be predicted right after eviction; in a task, the
+    question and its chain of thought, not the filler), and a context token's target averages its
+    future attention over all of them: what a token is worth before anyone knows which continuation
+    comes, which is exactly what an eviction decision during the context faces.
+    """
+
+    context: str
+    continuations: tuple[str, ...] = ()
+
+    def runs(self) -> list[str]:
+        return [f"{self.context} {continuation}" for continuation in self.continuations] or [self.context]
+
+
+def read_texts(path: Path) -> list[TraceText]:
+    """Texts from a JSONL file: a "text" field; a "context" with "continuations"; or a task's "prompt"
+    followed by its "target" when present (the chain of thought is where decode-time eviction happens,
+    so it belongs in the traces)."""
     texts = []
     for line in Path(path).read_text().splitlines():
         if not line.strip():
             continue
         record = json.loads(line)
         if "text" in record:
-            texts.append(record["text"])
+            texts.append(TraceText(record["text"]))
+        elif "context" in record:
+            texts.append(TraceText(record["context"], tuple(record.get("continuations", ()))))
         else:
-            texts.append(" ".join(part for part in (record["prompt"], record.get("target", "")) if part))
+            texts.append(TraceText(" ".join(part for part in (record["prompt"], record.get("target", "")) if part)))
     return texts
 
 
 def task_texts(
-    num: int, lengths: tuple[int, ...] = DEFAULT_TASK_LENGTHS, split: str = "train", questions: int = 8
-) -> list[str]:
-    """`num` reference-task texts (context, then several questions with their chains of thought),
-    cycling through the prompt lengths and two fact densities.
+    num: int, lengths: tuple[int, ...] = DEFAULT_TASK_LENGTHS, split: str = "train", questions_per_run: int = 8
+) -> list[TraceText]:
+    """`num` reference-task contexts, cycling through the prompt lengths and two fact densities, each
+    continued by questions (with chains of thought) about EVERY fact, `questions_per_run` per run.
 
-    Several questions per context, because the scorer must learn what a token is worth before the
-    question is known: with one question, the facts nobody asked get the same near-zero future
-    attention as filler, and the ranking loss cannot tell "a fact" from "filler". With questions
-    covering most of the facts, the target approaches the attention a fact gets over the question
-    distribution (measured: pairwise accuracy alone hid this; sweep in docs/quality).
+    The scorer must learn what a token is worth before the question is known. With one question per
+    context, the facts nobody asked get the same near-zero future attention as filler, and the ranking
+    loss cannot tell "a fact" from "filler" (measured: kvpop:mlp 0.465 at 75% compression; with 8
+    questions 0.730). Averaging over questions about every fact makes the target the attention a token
+    gets over the question distribution (docs/quality).
     """
     from kvpop.tasks import TaskConfig, generate_task
     from kvpop.tasks.generator import question_words
 
-    configs = [TaskConfig(context_tokens=length, questions=questions) for length in lengths]
-    configs += [TaskConfig(context_tokens=length, num_facts=16, questions=3) for length in lengths]
+    configs = [TaskConfig(context_tokens=length) for length in lengths]
+    configs += [TaskConfig(context_tokens=length, num_facts=16) for length in lengths]
     texts = []
     for index in range(num):
         task = generate_task(configs[index % len(configs)], split, index)
-        words = list(task.context)
-        for question in task.questions:
-            words += [*question_words(question.name), *question.reasoning]
-        texts.append(" ".join(words))
+        names = sorted(task.facts)
+        random.Random(index).shuffle(names)
+        asked = [question for question in map(task.question_about, names) if question is not None]
+        continuations = tuple(
+            " ".join(word for question in asked[start : start + questions_per_run]
+                     for word in (*question_words(question.name), *question.reasoning))
+            for start in range(0, len(asked), questions_per_run)
+        )
+        texts.append(TraceText(" ".join(task.context), continuations))
     return texts
 
 
@@ -91,6 +118,7 @@ class _Recorder:
 
     def __init__(self, window: int, block_size: int | None) -> None:
         self.window, self.block_size = window, block_size
+        self.first_query = 0  # queries before it do not count toward the targets
         self.layers: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
@@ -98,41 +126,67 @@ class _Recorder:
 
         if query.shape[0] != 1:
             raise ValueError("trace collection runs one unpadded sequence at a time")
-        received = attention_received(query[0], key[0], self.window, scaling, self.block_size)
-        self.layers[module.layer_idx] = (key[0].half(), value[0].half(), received.future, received.window)
+        received = attention_received(query[0], key[0], self.window, scaling, self.block_size, self.first_query)
+        self.layers[module.layer_idx] = (key[0].half(), value[0].half(), received.future_mean, received.window)
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
-    def trace(self) -> Trace:
-        fields = zip(*(self.layers[index] for index in sorted(self.layers)))
+    def take(self) -> tuple[torch.Tensor, ...]:
+        """(key, value, future_mean, window) of the last forward, stacked over layers."""
+        fields = tuple(torch.stack(per_layer) for per_layer in zip(*(self.layers[i] for i in sorted(self.layers))))
         self.layers = {}
-        return Trace(*(torch.stack(per_layer) for per_layer in fields))
+        return fields
+
+
+def _shared_prefix(runs: list[torch.Tensor]) -> int:
+    """Tokens every run's ids agree on (the context, however the tokenizer treats its boundary)."""
+    shortest = min(len(ids) for ids in runs)
+    same = torch.stack([ids[:shortest] for ids in runs]).eq(runs[0][:shortest]).all(dim=0)
+    return int(shortest if same.all() else same.long().argmin())
 
 
 @torch.no_grad()
 def collect_traces(
     model,
     tokenizer,
-    texts: list[str],
+    texts: list["str | TraceText"],
     window: int,
     max_tokens: int = 4096,
     block_size: int | None = None,
     progress: bool = True,
 ) -> list[Trace]:
-    """Run `model` (a HF causal LM) over `texts`, one at a time, and return their traces."""
+    """Run `model` (a HF causal LM) over `texts`, one sequence at a time, and return their traces.
+
+    A TraceText with continuations gives one trace: the first run's keys and values, with targets
+    from the continuation queries only, and the context tokens' targets averaged over every run (mean
+    future attention per query head, then max over the group and log)."""
     from transformers import AttentionInterface
 
     recorder = _Recorder(window, block_size)
     AttentionInterface.register(CAPTURE_ATTENTION, recorder)
     previous = model.config._attn_implementation
     model.set_attn_implementation(CAPTURE_ATTENTION)
+    texts = [TraceText(text) if isinstance(text, str) else text for text in texts]
     traces = []
     try:
         for text in tqdm(texts, desc="traces", unit="text", disable=not progress):
-            input_ids = tokenizer(text, return_tensors="pt").input_ids[:, :max_tokens]
-            if input_ids.shape[1] <= window:
+            runs = [tokenizer(run, return_tensors="pt").input_ids[0, :max_tokens] for run in text.runs()]
+            runs = [ids for ids in runs if len(ids) > window]
+            if not runs:
                 continue
-            model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
-            traces.append(recorder.trace())
+            context = 0  # first query that counts: the first continuation token
+            if text.continuations:
+                context = _shared_prefix([tokenizer(text.context, return_tensors="pt").input_ids[0], *runs])
+            recorded = []
+            for ids in runs:
+                recorder.first_query = context
+                model(input_ids=ids[None], use_cache=False, logits_to_keep=1)
+                recorded.append(recorder.take())
+            key, value, future_mean, window_attention = recorded[0]
+            if len(recorded) > 1:  # context tokens: average over the continuations
+                shared = min(context, *(run[2].shape[-1] for run in recorded))
+                future_mean = future_mean.clone()
+                future_mean[..., :shared] = torch.stack([run[2][..., :shared] for run in recorded]).mean(dim=0)
+            traces.append(Trace(key, value, future_importance(future_mean), window_attention))
     finally:
         model.set_attn_implementation(previous)
     return traces

@@ -24,7 +24,7 @@ defeat any lookup that is not keyed on the defined name.
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from kvpop.tasks.language import (
     ANSWER_START,
@@ -129,6 +129,18 @@ class Task:
     index: int
     context: tuple[str, ...]  # facts and filler, without BOS and question
     questions: tuple[Question, ...]
+    facts: dict[str, Fact] = field(default_factory=dict, repr=False, compare=False)  # every defined name
+    positions: dict[str, int] = field(default_factory=dict, repr=False, compare=False)  # name -> prompt position
+
+    def question_about(self, name: str) -> Question | None:
+        """The question (with its chain of thought) about any defined name, not only the asked ones;
+        None where the chain is longer than MAX_HOPS (its running offset has no token)."""
+        chain = [self.facts[name]]
+        while chain[-1].parent is not None:
+            chain.append(self.facts[chain[-1].parent])
+        if len(chain) - 1 > MAX_HOPS:
+            return None
+        return _question(chain[::-1], self.positions)
 
     @property
     def prompt(self) -> str:
@@ -198,7 +210,7 @@ def generate_task(config: TaskConfig, split: str, index: int) -> Task:
     rng.shuffle(facts)
     context, positions = _lay_out(rng, facts, config.context_tokens)
     questions = tuple(_question(chain, positions) for chain in chains)
-    return Task(config, split, index, tuple(context), questions)
+    return Task(config, split, index, tuple(context), questions, {fact.name: fact for fact in facts}, positions)
 
 
 def generate_split(config: TaskConfig, split: str, num: int, start: int = 0) -> list[Task]:

@@ -55,6 +55,7 @@ def export_model(model_dir: Path, output_dir: Path) -> dict:
     from export.decoder_step import UnsupportedModelError, check_supported
     from export.onnx_export import export_decoder_step
     from export.parity import check_parity
+    from export.slot_writer import export_slot_writer
     from kvpop.decoder import DecoderStep
 
     model_dir, output_dir = Path(model_dir), Path(output_dir)
@@ -82,6 +83,7 @@ def export_model(model_dir: Path, output_dir: Path) -> dict:
     for stale in (output_dir / spec.decoder_file, output_dir / (spec.decoder_file + ".data")):
         stale.unlink(missing_ok=True)
     export_decoder_step(causal_lm, output_dir / spec.decoder_file)
+    export_slot_writer(output_dir, spec.dtype)  # keeps the batch's cache on the GPU between steps
 
     stage("writing tokenizer and model spec")
     tokenizer_dir = output_dir / TOKENIZER_DIRNAME

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from kvpop.cache.device_store import SLOT_WRITER_FILE, DeviceKVStore
 from kvpop.model_spec import ModelSpec
 
 
@@ -29,9 +30,20 @@ def execution_providers(device: str, device_id: int = 0) -> list:
 
 
 class DecoderStep:
-    """One forward step over an explicit slot cache (see export/decoder_step.py for the contract)."""
+    """One forward step over an explicit slot cache (see export/decoder_step.py for the contract).
 
-    def __init__(self, model_dir: Path, device: str = "cpu", device_id: int = 0, threads: int | None = None):
+    `resident`: keep the batch pool's cache in the decoder's device memory between steps (IO binding,
+    kvpop.cache.device_store). Default: on when the CUDA provider runs the step; "cpu" works too.
+    """
+
+    def __init__(
+        self,
+        model_dir: Path,
+        device: str = "cpu",
+        device_id: int = 0,
+        threads: int | None = None,
+        resident: bool | None = None,
+    ):
         self.model_dir = Path(model_dir)
         self.spec = ModelSpec.load(self.model_dir)
         options = ort.SessionOptions()
@@ -45,6 +57,12 @@ class DecoderStep:
             providers=execution_providers(device, device_id),
         )
         self.dtype = np.dtype(self.spec.dtype)
+        on_cuda = "CUDAExecutionProvider" in self.session.get_providers()
+        self.device_store: DeviceKVStore | None = None
+        if resident or (resident is None and on_cuda and (self.model_dir / SLOT_WRITER_FILE).exists()):
+            providers = execution_providers(device, device_id)
+            self.device_store = DeviceKVStore(self.model_dir, "cuda" if on_cuda else "cpu", device_id, providers)
+        self._output_names = [output.name for output in self.session.get_outputs()]
 
     def empty_cache(self, batch: int = 1, slots: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Zeroed (past_key, past_value, slot_mask) for `batch` sequences of `slots` slots."""
@@ -70,3 +88,19 @@ class DecoderStep:
             },
         )
         return StepOutput(*outputs)
+
+    def run_pool(self, input_ids: np.ndarray, position_ids: np.ndarray, pool, slot_mask: np.ndarray) -> StepOutput:
+        """A step over the batch pool's cache: on the device copy when resident, else the host arrays."""
+        if self.device_store is None:
+            return self.run(input_ids, position_ids, pool.key, pool.value, slot_mask)
+        key, value = self.device_store.sync(pool)
+        binding = self.session.io_binding()
+        binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
+        binding.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))
+        binding.bind_ortvalue_input("past_key", key)
+        binding.bind_ortvalue_input("past_value", value)
+        binding.bind_cpu_input("slot_mask", np.ascontiguousarray(slot_mask, dtype=bool))
+        for name in self._output_names:  # small: logits, the new tokens' k/v, attention rows
+            binding.bind_output(name, "cpu")
+        self.session.run_with_iobinding(binding)
+        return StepOutput(*binding.copy_outputs_to_cpu())

@@ -290,7 +290,7 @@ class Engine:
         self._pool.bind(caches)
         input_ids = np.array([[sequence.pending_token] for sequence in sequences], dtype=np.int64)  # (B, 1)
         positions = np.array([[cache.tokens_seen] for cache in caches], dtype=np.int64)  # (B, 1)
-        out = self.decoder.run(input_ids, positions, self._pool.key, self._pool.value, self._pool.slot_mask(caches))
+        out = self.decoder.run_pool(input_ids, positions, self._pool, self._pool.slot_mask(caches))
         events = []
         for row, sequence in enumerate(sequences):
             self._store(sequence.cache, out, row)

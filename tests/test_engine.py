@@ -98,6 +98,23 @@ def test_mixed_policies_and_budgets_share_a_batch_and_join_in_flight(decoder):
     assert [engine.result(request.request_id).output_ids for request in mixed] == alone
 
 
+def test_device_resident_cache_gives_the_same_tokens_and_moves_only_written_slots(tiny_onnx_model_dir, decoder):
+    """The IO-binding path (the cache kept in the decoder's device memory between steps, synced by
+    scattering written slots) runs here on the CPU provider: same tokens as host arrays, for every
+    policy in one batch with in-flight joins; a steady-state step uploads nothing whole."""
+    resident = DecoderStep(tiny_onnx_model_dir, threads=1, resident=True)
+    assert resident.device_store is not None and decoder.device_store is None  # CPU default: host arrays
+    mixed = [GenerationRequest(f"r{i}", PROMPTS[i % 3], SamplingParams(max_tokens=12 + 2 * i), cache_config(policy, 7 + i))
+             for i, policy in enumerate(POLICIES)]
+    expected = Engine(decoder, max_batch_size=3).generate(mixed)
+    got = Engine(resident, max_batch_size=3).generate(mixed)
+    assert [r.output_ids for r in got] == [r.output_ids for r in expected]
+    store = resident.device_store
+    assert store.slot_writes > 0
+    decode_steps = sum(len(r.output_ids) for r in got)
+    assert store.uploads < decode_steps / 4  # whole uploads only when the batch changes
+
+
 def test_seeded_sampling_is_reproducible_alone_and_batched(decoder):
     sampling = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=123, max_tokens=16)
     first = Engine(decoder).generate(requests("h2o", 10, sampling, tag="a"))

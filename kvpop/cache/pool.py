@@ -22,9 +22,11 @@ class BatchSlotPool:
         self.spec = spec
         self.dtype = np.dtype(spec.dtype)
         self._members: list[int] = []  # id() of the caches bound, in row order
+        self._rows: dict[int, int] = {}  # id() of a bound cache -> its row
         self.key = self._zeros(0, 0)  # (L, B, Hkv, S, D)
         self.value = self._zeros(0, 0)
-        self.repacks = 0
+        self.dirty = np.zeros((0, 0, 0, 0), bool)  # (L, B, Hkv, S): slots written since `take_dirty`
+        self.repacks = 0  # a device mirror re-uploads everything when this changes
 
     def _zeros(self, batch: int, slots: int) -> np.ndarray:
         spec = self.spec
@@ -51,7 +53,18 @@ class BatchSlotPool:
             cache.rebind(key[:, row, :, : cache.capacity], value[:, row, :, : cache.capacity], owner=self)
         self.key, self.value = key, value
         self._members = [id(cache) for cache in caches]
+        self._rows = {member: row for row, member in enumerate(self._members)}
+        self.dirty = np.zeros(key.shape[:-1], bool)
         self.repacks += 1
+
+    def written(self, cache: SlotCache, where) -> None:
+        """A bound cache wrote the (layer, head, slot) entries `where` of its view: mark them dirty."""
+        self.dirty[:, self._rows[id(cache)]][where] = True
+
+    def take_dirty(self) -> np.ndarray:
+        """(L, B, Hkv, S) slots written since the last call, and reset."""
+        dirty, self.dirty = self.dirty, np.zeros_like(self.dirty)
+        return dirty
 
     def slot_mask(self, caches: list[SlotCache]) -> np.ndarray:  # (B, S) bool
         return np.arange(self.slots)[None, :] < np.array([cache.length for cache in caches])[:, None]

@@ -148,6 +148,11 @@ class SlotCache:
 
     # -- writing tokens -------------------------------------------------------------------------
 
+    def _written(self, where) -> None:
+        """Tell the storage owner which (layer, head, slot) entries changed (a device mirror syncs them)."""
+        if self.storage_owner is not None:
+            self.storage_owner.written(self, where)
+
     def append(
         self,
         key: np.ndarray,  # (L, Hkv, T, D)
@@ -179,6 +184,7 @@ class SlotCache:
         self.reserve(stop)
         self.key[:, :, start:stop] = update.key
         self.value[:, :, start:stop] = update.value
+        self._written(np.s_[:, :, start:stop])
         self.position[:, :, start:stop] = update.positions
         for name, stat in self.statistics.items():
             stat[:, :, start:stop] = new_statistics[name]
@@ -212,6 +218,7 @@ class SlotCache:
         slot, token = slots[layer, head, pair], tokens[layer, head, pair]
         self.key[layer, head, slot] = update.key[layer, head, token]
         self.value[layer, head, slot] = update.value[layer, head, token]
+        self._written((layer, head, slot))
         self.position[layer, head, slot] = update.positions[token]
         for name, stat in self.statistics.items():
             stat[layer, head, slot] = new_statistics[name][layer, head, token]

@@ -93,7 +93,7 @@ def test_traces_record_cached_keys_and_model_attention(tiny_hf_model_dir):
 
 def test_continuations_average_context_targets_over_runs(tiny_hf_model_dir):
     """A context with two continuations: only continuation queries count, and a context token's target
-    is the mean over both runs (per query head, then max over the group, log)."""
+    is the max over both runs (per query head, then max over the group, log)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvpop.scorer.targets import future_importance
@@ -114,7 +114,7 @@ def test_continuations_average_context_targets_over_runs(tiny_hf_model_dir):
         counted = (query >= token + 4) & (query >= context)  # (S, S) [query d, token t]
         mean = (probs * counted).sum(2) / counted.sum(0).clamp_min(1)  # (L, Hq, S)
         means.append(mean[..., : context - 4].reshape(mean.shape[0], 2, -1, context - 4))
-    expected = future_importance(torch.stack(means).mean(0))
+    expected = future_importance(torch.stack(means).amax(0))
     assert trace.length == tokenizer(text.runs()[0], return_tensors="pt").input_ids.shape[1]
     torch.testing.assert_close(trace.target[..., : context - 4], expected, atol=1e-4, rtol=1e-4)
 

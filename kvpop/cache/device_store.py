@@ -7,6 +7,8 @@ source of truth for the eviction policies (which read slot metadata and leaving 
 after each step only the slots the host wrote are scattered into the device copy by the slot-writer
 graph (export/slot_writer.py), so a steady-state decode step moves O(new tokens), not O(cache).
 The whole pool is uploaded only when its membership or shape changes (`BatchSlotPool.repacks`).
+Prefill still hands the decoder its one sequence's cache as host arrays: one copy of at most `budget`
+slots per prompt chunk, spread over the chunk's tokens.
 
 The same code runs with device "cpu" (OrtValues in host memory), which is how it is tested on
 machines without a GPU.

@@ -59,7 +59,9 @@ class BatchSlotPool:
 
     def written(self, cache: SlotCache, where) -> None:
         """A bound cache wrote the (layer, head, slot) entries `where` of its view: mark them dirty."""
-        self.dirty[:, self._rows[id(cache)]][where] = True
+        row = self._rows.get(id(cache))
+        if row is not None:  # a cache dropped at the last repack writes only into its old view
+            self.dirty[:, row][where] = True
 
     def take_dirty(self) -> np.ndarray:
         """(L, B, Hkv, S) slots written since the last call, and reset."""

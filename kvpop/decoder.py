@@ -51,16 +51,14 @@ class DecoderStep:
         threads = threads or int(os.environ.get("KVPOP_ORT_THREADS", "0"))
         if threads:
             options.intra_op_num_threads = threads
+        providers = execution_providers(device, device_id)
         self.session = ort.InferenceSession(
-            str(self.model_dir / self.spec.decoder_file),
-            sess_options=options,
-            providers=execution_providers(device, device_id),
+            str(self.model_dir / self.spec.decoder_file), sess_options=options, providers=providers
         )
         self.dtype = np.dtype(self.spec.dtype)
         on_cuda = "CUDAExecutionProvider" in self.session.get_providers()
         self.device_store: DeviceKVStore | None = None
         if resident or (resident is None and on_cuda and (self.model_dir / SLOT_WRITER_FILE).exists()):
-            providers = execution_providers(device, device_id)
             self.device_store = DeviceKVStore(self.model_dir, "cuda" if on_cuda else "cpu", device_id, providers)
         self._output_names = [output.name for output in self.session.get_outputs()]
 

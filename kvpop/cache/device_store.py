@@ -43,6 +43,7 @@ class DeviceKVStore:
 
     def sync(self, pool) -> tuple[ort.OrtValue, ort.OrtValue]:
         """Bring the device copy up to date with the host pool; returns (key, value) OrtValues."""
+        pool.track_writes = True
         if pool.repacks != self._repacks or self.key is None:
             self.key, self.value = self._upload(pool.key), self._upload(pool.value)
             self._spare = None

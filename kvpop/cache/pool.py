@@ -21,11 +21,11 @@ class BatchSlotPool:
     def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec
         self.dtype = np.dtype(spec.dtype)
-        self._members: list[int] = []  # id() of the caches bound, in row order
-        self._rows: dict[int, int] = {}  # id() of a bound cache -> its row
+        self._rows: dict[int, int] = {}  # id() of each bound cache -> its row, in row order
         self.key = self._zeros(0, 0)  # (L, B, Hkv, S, D)
         self.value = self._zeros(0, 0)
         self.dirty = np.zeros((0, 0, 0, 0), bool)  # (L, B, Hkv, S): slots written since `take_dirty`
+        self.track_writes = False  # set by a device mirror; without one, writes cost no bookkeeping
         self.repacks = 0  # a device mirror re-uploads everything when this changes
 
     def _zeros(self, batch: int, slots: int) -> np.ndarray:
@@ -42,7 +42,7 @@ class BatchSlotPool:
 
     def bind(self, caches: list[SlotCache]) -> None:
         """Make row r of the pool hold caches[r]; copies only when membership or sizes changed."""
-        unchanged = [id(cache) for cache in caches] == self._members and all(
+        unchanged = [id(cache) for cache in caches] == list(self._rows) and all(
             cache.storage_owner is self and cache.capacity <= self.slots for cache in caches
         )
         if unchanged:
@@ -52,14 +52,13 @@ class BatchSlotPool:
         for row, cache in enumerate(caches):
             cache.rebind(key[:, row, :, : cache.capacity], value[:, row, :, : cache.capacity], owner=self)
         self.key, self.value = key, value
-        self._members = [id(cache) for cache in caches]
-        self._rows = {member: row for row, member in enumerate(self._members)}
+        self._rows = {id(cache): row for row, cache in enumerate(caches)}
         self.dirty = np.zeros(key.shape[:-1], bool)
         self.repacks += 1
 
     def written(self, cache: SlotCache, where) -> None:
         """A bound cache wrote the (layer, head, slot) entries `where` of its view: mark them dirty."""
-        row = self._rows.get(id(cache))
+        row = self._rows.get(id(cache)) if self.track_writes else None
         if row is not None:  # a cache dropped at the last repack writes only into its old view
             self.dirty[:, row][where] = True
 

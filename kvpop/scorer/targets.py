@@ -23,7 +23,7 @@ BLOCK_ELEMENTS = 1 << 25  # default block: Hq * block * S <= 32M probabilities (
 
 def future_importance(mean: torch.Tensor) -> torch.Tensor:
     """The target from per-query-head mean future attention: max over the group, in log space.
-    (..., Hkv, G, N) -> (..., Hkv, N). Means of several continuations of one context may be averaged first."""
+    (..., Hkv, G, N) -> (..., Hkv, N). Means of several continuations of one context may be combined first (traces take their max)."""
     return torch.log(mean.amax(dim=-2)).clamp_min(LOG_FLOOR)
 
 

@@ -9,7 +9,8 @@ import pytest
 
 from kvpop.tasks import TaskConfig, accuracy, exact_match, extract_final_answer, generate_split, generate_task
 from kvpop.tasks.__main__ import main as cli_main
-from kvpop.tasks.generator import task_seed
+from kvpop.reference.drills import _SEED_BASE as DRILL_SEED_BASE
+from kvpop.tasks.generator import SPLITS, task_seed
 from kvpop.tasks.language import WORDS
 from kvpop.tasks.solver import asked_name, parse_definitions, solve
 
@@ -33,9 +34,28 @@ def test_splits_use_disjoint_seeds() -> None:
     assert not seeds["train"] & seeds["validation"] and not seeds["validation"] & seeds["test"]
     assert not seeds["train"] & seeds["test"]
     config = TaskConfig()
-    assert len({generate_task(config, split, 0).prompt for split in ("train", "validation", "test")}) == 3
+    assert len({generate_task(config, split, 0).prompt for split in SPLITS}) == len(SPLITS)
     with pytest.raises(ValueError):
         task_seed("dev", 0)
+
+
+def test_heldout_seed_range_overlaps_no_other_split_and_no_drill() -> None:
+    """The headline's held-out split: its whole index range is seeded apart from every other split
+    and from the reference model's drills, and adding it moved no older split's seeds."""
+    assert SPLITS[:3] == ("train", "validation", "test")  # position fixes the seeds: new splits go last
+    assert [task_seed(split, 5) for split in SPLITS[:3]] == [5, 2**40 + 5, 2 * 2**40 + 5]
+    ranges = {split: (task_seed(split, 0), task_seed(split, 2**40 - 1)) for split in SPLITS}
+    low, high = ranges["heldout"]
+    for split, (other_low, other_high) in ranges.items():
+        if split != "heldout":
+            assert high < other_low or other_high < low, split
+    assert high < DRILL_SEED_BASE
+    for index in (-1, 2**40):
+        with pytest.raises(ValueError):
+            task_seed("heldout", index)
+    heldout = {generate_task(TaskConfig(context_tokens=2048), "heldout", i).prompt for i in range(20)}
+    others = {generate_task(TaskConfig(context_tokens=2048), split, i).prompt for split in SPLITS[:3] for i in range(20)}
+    assert len(heldout) == 20 and not heldout & others
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.context_tokens}-h{c.hops}-q{c.questions}")

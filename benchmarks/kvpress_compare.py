@@ -323,6 +323,9 @@ def merge(kvpress_json: Path, sweep_dir: Path) -> list[dict]:
     sweep_path = sweep_dir / "sweep.json"
     sweep = json.loads(sweep_path.read_text())
     peer = json.loads(kvpress_json.read_text())
+    if sweep.get("tasks_sha256") and peer["tasks_sha256"] != sweep["tasks_sha256"]:
+        raise SystemExit(f"{kvpress_json} ran {peer['tasks_file']}, not the sweep's {sweep.get('tasks_file')} "
+                         "(their sha256 differ): run eval-kvpress on the same tasks")
     if peer["tasks"] != sweep["tasks"] or peer["scoring"] != sweep["scoring"]:
         print(f"warning: kvpress ran {peer['tasks']} tasks ({peer['scoring']}), the sweep {sweep['tasks']} ({sweep['scoring']})",
               file=sys.stderr)

@@ -15,7 +15,9 @@ Scoring: `final_answer` (default) is the project tasks' exact match of the word 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -110,6 +112,7 @@ def sweep(
     scoring: str,
     sinks: int,
     window: int,
+    tasks_file: Path | None = None,
 ) -> list[dict]:
     """Every policy x compression. At 0% nothing is evicted, so every policy IS the full cache:
     full runs once and stands for all of them there."""
@@ -130,7 +133,9 @@ def sweep(
             report = evaluate(engine, tasks, config, max_tokens, scoring)
             summary.append(_summary_row(report, policy, ratio))
             print(f"{policy} @ {ratio:.0%}: accuracy {report['accuracy']:.3f}", flush=True)
-    (out_dir / "sweep.json").write_text(json.dumps({"tasks": len(tasks), "scoring": scoring, "results": summary}, indent=2) + "\n")
+    header = {"tasks": len(tasks), "scoring": scoring, "tasks_file": str(tasks_file) if tasks_file else None,
+              "tasks_sha256": hashlib.sha256(Path(tasks_file).read_bytes()).hexdigest() if tasks_file else None}
+    (out_dir / "sweep.json").write_text(json.dumps({**header, "results": summary}, indent=2) + "\n")
     (out_dir / "sweep.md").write_text(markdown_table(summary, compressions))
     plot_sweep(summary, out_dir / "accuracy_vs_compression.png")
     return summary
@@ -138,7 +143,28 @@ def sweep(
 
 def _summary_row(report: dict, policy: str, ratio: float) -> dict:
     keys = ("accuracy", "compression_achieved", "mean_budget", "max_peak_kv_bytes", "generated_tokens_per_s", "tasks")
-    return {"policy": policy, "compression": ratio, **{key: report[key] for key in keys}}
+    # One character per task, in task order, so any two rows can be compared task by task.
+    correct = "".join("1" if row["correct"] else "0" for row in report["rows"])
+    return {"policy": policy, "compression": ratio, **{key: report[key] for key in keys}, "correct_by_task": correct}
+
+
+def wilson_interval(successes: int, count: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a binomial proportion (sound near 0 and 1, unlike the normal one)."""
+    if count == 0:
+        return 0.0, 1.0
+    p = successes / count
+    center = (p + z * z / (2 * count)) / (1 + z * z / count)
+    half = z * math.sqrt(p * (1 - p) / count + z * z / (4 * count * count)) / (1 + z * z / count)
+    return max(0.0, center - half), min(1.0, center + half)
+
+
+def paired_counts(correct: str, reference: str) -> tuple[int, int]:
+    """(tasks right here and wrong in `reference`, tasks wrong here and right in `reference`)."""
+    if len(correct) != len(reference):
+        raise ValueError(f"rows cover {len(correct)} and {len(reference)} tasks")
+    wins = sum(a == "1" and b == "0" for a, b in zip(correct, reference))
+    losses = sum(a == "0" and b == "1" for a, b in zip(correct, reference))
+    return wins, losses
 
 
 def markdown_table(summary: list[dict], compressions: tuple[float, ...]) -> str:
@@ -152,7 +178,36 @@ def markdown_table(summary: list[dict], compressions: tuple[float, ...]) -> str:
     for policy in dict.fromkeys(row["policy"] for row in summary if row["policy"] != "full"):
         cells = [f"{accuracy[(policy, ratio)]:.3f}" if (policy, ratio) in accuracy else "-" for ratio in compressions]
         lines.append(f"| {policy} | " + " | ".join(cells) + " |")
-    return "Accuracy by eviction policy and compression (1 - budget / tokens).\n\n" + "\n".join(lines) + "\n"
+    text = "Accuracy by eviction policy and compression (1 - budget / tokens).\n\n" + "\n".join(lines) + "\n"
+    return text + _interval_table(summary, compressions)
+
+
+def _interval_table(summary: list[dict], compressions: tuple[float, ...]) -> str:
+    """Each accuracy with its 95% Wilson interval and, where the row kept per-task results, its paired
+    count against the engine's full cache (+ tasks only it solves / - tasks only the full cache solves)."""
+    rows = {(row["policy"], row["compression"]): row for row in summary}
+    full = rows[("full", 0.0)]
+    lines = [
+        "\n95% Wilson interval of each accuracy, and paired counts against the engine's full cache "
+        "(+wins / -losses: tasks only this row / only the full cache gets right):\n",
+        "| policy | " + " | ".join(f"{ratio:.0%}" for ratio in compressions) + " |",
+        "|---|" + "---|" * len(compressions),
+    ]
+    for policy in dict.fromkeys(row["policy"] for row in summary):
+        cells = []
+        for ratio in compressions:
+            row = rows.get((policy, ratio))
+            if row is None:
+                cells.append("-")
+                continue
+            low, high = wilson_interval(round(row["accuracy"] * row["tasks"]), row["tasks"])
+            cell = f"{row['accuracy']:.3f} [{low:.2f}, {high:.2f}]"
+            if ratio and "correct_by_task" in row and "correct_by_task" in full:
+                wins, losses = paired_counts(row["correct_by_task"], full["correct_by_task"])
+                cell += f" +{wins}/-{losses}"
+            cells.append(cell)
+        lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def plot_sweep(summary: list[dict], path: Path) -> None:
@@ -211,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"unknown policies {unknown}; registered: {', '.join(POLICIES)}")
         compressions = tuple(float(ratio) for ratio in args.compressions.split(","))
-        sweep(engine, tasks, args.out_dir, policies, compressions, args.max_tokens, args.scoring, args.sinks, args.window)
+        sweep(engine, tasks, args.out_dir, policies, compressions, args.max_tokens, args.scoring, args.sinks, args.window,
+              tasks_file=args.tasks if not args.limit else None)
         print(f"wrote {args.out_dir}/sweep.json, sweep.md, accuracy_vs_compression.png")
         return 0
     if args.out is None:

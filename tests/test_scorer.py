@@ -91,7 +91,7 @@ def test_traces_record_cached_keys_and_model_attention(tiny_hf_model_dir):
     torch.testing.assert_close(trace.window_attention, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_continuations_average_context_targets_over_runs(tiny_hf_model_dir):
+def test_continuation_targets_take_the_max_over_runs(tiny_hf_model_dir):
     """A context with two continuations: only continuation queries count, and a context token's target
     is the max over both runs (per query head, then max over the group, log)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

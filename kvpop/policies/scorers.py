@@ -1,7 +1,8 @@
 """Scorers for the kvpop policy: what decides a token's worth when it leaves the protected window.
 
-The learned scorer (an ONNX mLSTM or MLP per KV head) plugs in here later. The interface is built
-for it: `init_state` creates per-sequence recurrent state (kept in the slot cache, so it travels
+The learned scorers (ONNX mLSTM or MLP per KV head, `kvpop.scorer.runtime.LearnedScorer`) implement
+this interface; the attention-based `AccumulatedAttentionScorer` below is the stand-in used when a
+model has none. `init_state` creates per-sequence recurrent state (kept in the slot cache, so it travels
 with the sequence), `observe` sees every new token's key and value once, in order, and `score` is
 called only for the tokens leaving the window now. Scores are fixed once given.
 """

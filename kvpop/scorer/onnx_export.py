@@ -1,6 +1,6 @@
 """Export a trained scorer to ONNX, its recurrent state as explicit inputs and outputs, and check parity.
 
-`python -m kvpop.scorer.onnx_export --scorers MODEL/scorer --out model_repository/kvpop_service/1`
+`python -m kvpop.scorer.onnx_export --scorers MODEL/scorer --out model_repository/kvpop_engine/1`
 writes `scorer_<kind>.onnx` and `scorer_<kind>.json` (config, tensor names, state shapes, parity) for
 every `scorer_<kind>.pt` found. The runtime (kvpop.scorer.runtime) needs only those two files.
 """

@@ -1,8 +1,9 @@
 """`python -m export --model DIR`: write the ONNX decoder step, tokenizer and model spec into the
 model repository, and fail unless the ONNX step matches the Hugging Face model.
 
-Without --model, the shipped reference model (models/reference) is exported when present, otherwise
-a tiny random Llama is built (for plumbing only: its text is meaningless).
+Without --model: SmolLM2-135M-Instruct when `make model` has built it (models/smollm2-135m-instruct),
+else the shipped reference model (models/reference), else a tiny random Llama (for plumbing only: its
+text is meaningless). `make export` builds SmolLM2 first and names it explicitly.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUTPUT = REPO_ROOT / "model_repository" / "kvpop_engine" / "1"
 REFERENCE_MODEL = REPO_ROOT / "models" / "reference"
+REAL_MODEL = REPO_ROOT / "models" / "smollm2-135m-instruct"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,7 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = args.model
         if model_dir is None:
-            if not args.tiny and (REFERENCE_MODEL / "config.json").exists():
+            from export.real_model import is_complete
+
+            if not args.tiny and is_complete(REAL_MODEL):
+                model_dir = REAL_MODEL
+            elif not args.tiny and (REFERENCE_MODEL / "config.json").exists():
                 model_dir = REFERENCE_MODEL
             else:
                 from export.tiny_model import build_tiny_llama

@@ -103,8 +103,10 @@ def export_model(model_dir: Path, output_dir: Path) -> dict:
     }
     (output_dir / REPORT_FILENAME).write_text(json.dumps(report, indent=2) + "\n")
     stage(
-        f"parity prefill {parity.prefill_max_abs_diff:.2e}, decode {parity.decode_max_abs_diff:.2e} "
-        f"(tolerance {parity.tolerance:.0e})"
+        f"parity prefill {parity.prefill_max_abs_diff:.2e}, decode {parity.decode_max_abs_diff:.2e} absolute; "
+        f"{parity.prefill_relative_diff:.1e}, {parity.decode_relative_diff:.1e} of the logit scale "
+        f"{parity.logit_scale:.1f} (tolerance {parity.tolerance:.0e}); greedy token agrees at "
+        f"{parity.top1_agreement:.0%} of positions"
     )
     if not parity.passed:
         raise ExportError(f"parity check failed: {parity.as_dict()} (report in {output_dir / REPORT_FILENAME})")

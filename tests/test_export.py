@@ -78,3 +78,17 @@ def test_unsupported_architecture_is_named(tmp_path):
 def test_not_a_model_directory(tmp_path):
     with pytest.raises(ExportError, match="config.json"):
         export_model(tmp_path, tmp_path / "out")
+
+
+def test_parity_is_relative_to_the_logit_scale_and_checks_the_greedy_token(tiny_onnx_model_dir):
+    from export.parity import ParityReport, _top1_check
+
+    parity = json.loads((tiny_onnx_model_dir / "export_report.json").read_text())["parity"]
+    assert parity["top1_agreement"] == 1.0 and parity["top1_disagreements_beyond_ties"] == 0
+    assert parity["prefill_relative_diff"] == pytest.approx(parity["prefill_max_abs_diff"] / parity["logit_scale"])
+    # A 30-layer model with logits in the tens: 1.4e-4 absolute is 7e-6 of its scale and passes.
+    assert ParityReport(1.4e-4, 6e-5, 24, 12, logit_scale=20.0).passed
+    assert not ParityReport(1e-2, 0.0, 24, 12, logit_scale=20.0).passed
+    reference = np.array([[0.0, 5.0, 4.99999], [3.0, 0.0, 1.0]])
+    exported = np.array([[0.0, 4.99998, 5.0], [0.0, 3.0, 1.0]])  # a tie flips; a clear winner is lost
+    assert _top1_check(reference, exported, error=1e-5) == (0, 1)

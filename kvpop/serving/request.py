@@ -95,6 +95,23 @@ def parse_parameters(text: str | None) -> dict[str, Any]:
     return parameters if isinstance(parameters, dict) else {}
 
 
+def chat_prompt(get_input: Callable[[str], np.ndarray | None], parameters: dict[str, Any], tokenizer) -> np.ndarray | None:
+    """The `messages` input (one BYTES element of JSON, or a request parameter) rendered by the model's
+    chat template, as a `text_input` tensor; None when the request has no messages."""
+    from kvpop.serving.chat import InvalidMessagesError, parse_messages, render_chat
+
+    tensor = get_input("messages")
+    if tensor is None and "messages" not in parameters:
+        return None
+    if tensor is not None and tensor.size != 1:
+        raise InvalidRequestError(f"messages must hold exactly one JSON string, got shape {list(tensor.shape)}")
+    raw = tensor.reshape(-1)[0] if tensor is not None else parameters["messages"]
+    try:
+        return np.array([render_chat(parse_messages(raw), tokenizer)], dtype=object)
+    except InvalidMessagesError as error:
+        raise InvalidRequestError(str(error)) from None
+
+
 def parse_request(
     request_id: str,
     get_input: Callable[[str], np.ndarray | None],
@@ -109,6 +126,11 @@ def parse_request(
     ids = get_input("input_ids")
     if text is None and "text_input" in parameters:
         text = np.array([parameters["text_input"]], dtype=object)
+    chat = chat_prompt(get_input, parameters, tokenizer)
+    if chat is not None:
+        if text is not None or ids is not None:
+            raise InvalidRequestError("send exactly one of text_input, input_ids or messages")
+        text = chat
     if (text is None) == (ids is None):
         raise InvalidRequestError("send exactly one of text_input (BYTES) or input_ids (INT64 [-1])")
 

@@ -179,6 +179,9 @@ def markdown_table(summary: list[dict], compressions: tuple[float, ...]) -> str:
         cells = [f"{accuracy[(policy, ratio)]:.3f}" if (policy, ratio) in accuracy else "-" for ratio in compressions]
         lines.append(f"| {policy} | " + " | ".join(cells) + " |")
     text = "Accuracy by eviction policy and compression (1 - budget / tokens).\n\n" + "\n".join(lines) + "\n"
+    if 0.0 in compressions:
+        text += ("\nAt 0% nothing is evicted, so no row is run there: each 0% cell is the full cache's accuracy, "
+                 "copied (the engine's for engine policies; for `kvpress:` rows, the Hugging Face full cache's).\n")
     return text + _interval_table(summary, compressions)
 
 

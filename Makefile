@@ -14,7 +14,8 @@ CONFIG ?= auto
 PID_FILE := run/tritonserver.pid
 
 .PHONY: help setup model export serve serve-bg stop test test-unit test-e2e clean reference-model eval-reference \
-	train-scorer tasks eval-sweep kvpress-env eval-kvpress speed speed-quick loadtest
+	train-scorer tasks eval-sweep kvpress-env eval-kvpress speed speed-quick loadtest \
+	system-deps image image-lb test-cluster
 
 REFERENCE := models/reference
 # The default served model: SmolLM2-135M-Instruct, built by `make model` (not by setup: tests never need it).
@@ -137,6 +138,29 @@ loadtest: setup  ## locust against a running server (make serve-bg first): USERS
 	KVPOP_PROTOCOL=$(PROTOCOL) KVPOP_GRPC_URL=$(HOST):$(GRPC_PORT) $(VENV)/bin/locust -f loadtest/locustfile.py \
 		--headless -u $(USERS) -r $(USERS) -t $(DURATION) --host http://$(HOST):$(HTTP_PORT) \
 		--csv loadtest/results/$(PROTOCOL) --html loadtest/results/$(PROTOCOL).html --only-summary
+
+# Deployment (deploy/, README "Deploying"). Images need a Docker engine; the rest runs here.
+IMAGE ?= kvpop-serve:24.10-1
+LB_IMAGE ?= kvpop-lb:1.27
+
+system-deps:  ## system packages the deploy checks need (nginx, Debian nginx-light); idempotent and quiet
+	@command -v nginx >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			echo "installing nginx-light (apt)"; \
+			apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nginx-light >/dev/null; \
+		else echo "nginx not found: install it (Debian/Ubuntu: sudo apt-get install nginx-light)"; exit 1; fi; }
+
+image:  ## build the GPU image $(IMAGE) on the NGC Triton base (needs Docker; after `make export`)
+	@command -v docker >/dev/null 2>&1 || { echo "make image: no docker here. On a machine with Docker and this checkout: make export && docker build -f deploy/docker/Dockerfile -t $(IMAGE) ."; exit 1; }
+	@test -f model_repository/kvpop_engine/1/model_spec.json || { echo "make image: no exported model: run make export first"; exit 1; }
+	docker build -f deploy/docker/Dockerfile -t $(IMAGE) .
+
+image-lb:  ## build the load balancer image $(LB_IMAGE) (official nginx + lb.py health checks; needs Docker)
+	@command -v docker >/dev/null 2>&1 || { echo "make image-lb: no docker here. On a machine with Docker: docker build -f deploy/nodes/Dockerfile.lb -t $(LB_IMAGE) ."; exit 1; }
+	docker build -f deploy/nodes/Dockerfile.lb -t $(LB_IMAGE) .
+
+test-cluster: setup system-deps  ## rehearsal: 3 real tritonservers behind real nginx, kill -9 one (~2 min): docs/deploy/rehearsal.json
+	$(PY) -m pytest -q -m cluster tests/cluster
 
 clean:  ## remove exported artifacts and run files (keeps .venv)
 	rm -rf run model_repository/kvpop_engine/1/{decoder_step.onnx,decoder_step.onnx.data,model_spec.json,export_report.json,tokenizer}

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
+
+from deploy.nodes import lb
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -37,9 +42,150 @@ def test_dashboard_and_alerts_query_only_exported_metrics():
     assert used and used <= exported, used - exported
 
 
-def test_kubernetes_pod_takes_two_gpus_and_probes_readiness():
-    deployment = next(doc for doc in yaml.safe_load_all((DEPLOY / "kubernetes" / "deployment.yaml").read_text())
-                      if doc["kind"] == "Deployment")
-    container = deployment["spec"]["template"]["spec"]["containers"][0]
+KUBERNETES = DEPLOY / "kubernetes"
+KUBERNETES_VERSION = "1.30.0"  # the oldest version the manifests target (autoscaling/v2, policy/v1)
+CUSTOM_RESOURCES = {("monitoring.coreos.com/v1", "ServiceMonitor")}  # no schema offline; checked below
+
+
+def kubernetes_documents() -> dict[str, dict]:
+    """Every resource `kubectl apply -f deploy/kubernetes/` would create, by kind/name."""
+    documents = {}
+    for path in sorted(KUBERNETES.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            documents[f"{doc['kind']}/{doc['metadata']['name']}"] = doc
+    return documents
+
+
+def test_kubernetes_manifests_pass_the_schema_check():
+    import kubernetes_validate
+
+    checked = 0
+    for path in sorted(KUBERNETES.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if (doc["apiVersion"], doc["kind"]) in CUSTOM_RESOURCES:
+                assert doc["spec"]["selector"]["matchLabels"] == {"app": "kvpop-serve"}
+                continue
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)  # raises with the offending field
+            checked += 1
+    assert checked >= 7
+
+
+def test_the_schema_check_catches_a_mistake():
+    import kubernetes_validate
+
+    hpa = kubernetes_documents()["HorizontalPodAutoscaler/kvpop-serve"]
+    broken = json.loads(json.dumps(hpa))
+    broken["spec"]["metrics"][0]["resource"]["target"]["averageUtilisation"] = 70  # misspelt field
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, KUBERNETES_VERSION, strict=True)
+
+
+def test_kubernetes_pod_takes_two_gpus_and_probes_the_launcher_health_port():
+    documents = kubernetes_documents()
+    pod = documents["Deployment/kvpop-serve"]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 2  # config.pbtxt: one instance on each of GPUs 0, 1
-    assert container["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    ports = {port["name"]: port["containerPort"] for port in container["ports"]}
+    assert ports == {"http": 8000, "grpc": 8001, "metrics": 8002, "health": 8003}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "health"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/live", "port": "health"}
+    # The pod is given the drain time plus the preStop pause and a margin before it is killed.
+    env = {item["name"]: item for item in container["env"]}
+    grace = int(env["KVPOP_GRACE_SECONDS"]["value"])
+    pre_stop = int(container["lifecycle"]["preStop"]["exec"]["command"][-1])
+    assert pod["terminationGracePeriodSeconds"] >= grace + pre_stop + 5
+    assert env["KVPOP_ADMIN_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "kvpop-admin"
+
+
+def test_autoscaler_budget_and_routing_point_at_the_deployment():
+    documents = kubernetes_documents()
+    hpa = documents["HorizontalPodAutoscaler/kvpop-serve"]["spec"]
+    assert (hpa["minReplicas"], hpa["maxReplicas"]) == (2, 10)
+    assert hpa["scaleTargetRef"]["name"] == "kvpop-serve"
+    cpu = next(metric for metric in hpa["metrics"] if metric["type"] == "Resource")
+    assert cpu["resource"]["target"]["averageUtilization"] == 70
+    # Every custom metric the HPA asks for is one the Prometheus adapter serves, built from exported series.
+    adapter = yaml.safe_load(documents["ConfigMap/prometheus-adapter"]["data"]["config.yaml"])
+    served = {rule["name"]["as"] for rule in adapter["rules"]}
+    wanted = {metric["pods"]["metric"]["name"] for metric in hpa["metrics"] if metric["type"] == "Pods"}
+    assert wanted and wanted <= served, wanted - served
+    queried = {name for rule in adapter["rules"] for name in re.findall(r"\bkvpop_\w+", rule["seriesQuery"] + rule["metricsQuery"])}
+    assert queried <= exported_metric_names(), queried - exported_metric_names()
+    assert documents["PodDisruptionBudget/kvpop-serve"]["spec"]["selector"]["matchLabels"] == {"app": "kvpop-serve"}
+    # Sessions: every Ingress hashes on the key that the controller's map derives from x-session-id.
+    patch = yaml.safe_load((KUBERNETES / "ingress-nginx" / "controller-configmap-patch.yaml").read_text())
+    assert "map $http_x_session_id $kvpop_session_key" in patch["data"]["http-snippet"]
+    ingresses = [doc for key, doc in documents.items() if key.startswith("Ingress/")]
+    assert len(ingresses) == 2
+    for ingress in ingresses:
+        assert ingress["metadata"]["annotations"]["nginx.ingress.kubernetes.io/upstream-hash-by"] == "$kvpop_session_key"
+
+
+def test_compose_files_parse_and_expose_the_health_port():
+    files = sorted(DEPLOY.rglob("*compose*.y*ml"))
+    assert files
+    for path in files:
+        services = yaml.safe_load(path.read_text())["services"]
+        assert all("image" in service or "build" in service for service in services.values()), path
+    kvpop = yaml.safe_load((DEPLOY / "docker" / "docker-compose.yml").read_text())["services"]["kvpop"]
+    assert "8003:8003" in kvpop["ports"]
+
+
+def test_images_are_pinned():
+    dockerfile = (DEPLOY / "docker" / "Dockerfile").read_text()
+    assert "ARG TRITON_IMAGE=nvcr.io/nvidia/tritonserver:24.10-py3" in dockerfile
+    assert '"--health-port=8003"' in dockerfile
+    assert re.search(r"^FROM nginx:\d+\.\d+\.\d+", (DEPLOY / "nodes" / "Dockerfile.lb").read_text(), re.M)
+
+
+def rendered_nginx_config(tmp_path: Path) -> Path:
+    out = tmp_path / "nginx.conf"
+    lb.main(["render", "--nodes", str(DEPLOY / "nodes" / "nodes.example.txt"), "--out", str(out),
+             "--run-dir", str(tmp_path), "--http-listen", "127.0.0.1:18080", "--grpc-listen", "127.0.0.1:18081",
+             "--access-log", str(tmp_path / "access.log"), "--error-log", str(tmp_path / "error.log")])
+    return out
+
+
+def test_nginx_config_renders_every_node_with_its_weight(tmp_path):
+    text = rendered_nginx_config(tmp_path).read_text()
+    nodes = lb.read_nodes(DEPLOY / "nodes" / "nodes.example.txt")
+    for node in nodes:
+        assert f"server {node.http} weight={node.weight} " in text and f"server {node.grpc} weight={node.weight} " in text
+    assert text.count("hash $http_x_session_id consistent;") == 2
+    assert "@" not in re.sub(r"#.*", "", text)  # no placeholder left
+    down = lb.render(nodes, lb.RenderOptions(), frozenset({"worker1"}))
+    assert down.count(" down;  # worker1") == 2
+
+
+@pytest.mark.skipif(shutil.which("nginx") is None, reason="nginx not installed (make system-deps)")
+def test_nginx_accepts_the_rendered_config(tmp_path):
+    config = rendered_nginx_config(tmp_path)
+    result = subprocess.run(["nginx", "-t", "-p", str(tmp_path), "-c", str(config)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_health_watcher_takes_a_failing_node_out_and_brings_it_back(tmp_path, monkeypatch):
+    nodes = lb.read_nodes(DEPLOY / "nodes" / "nodes.example.txt")
+    answers = {node.ready: True for node in nodes}
+    monkeypatch.setattr(lb, "probe", lambda url, timeout_s: answers[url])
+    reloads = []
+    watcher = lb.HealthWatcher(nodes, tmp_path / "nginx.conf", lb.RenderOptions(), ["reload"], fall=2, rise=2)
+    monkeypatch.setattr(lb.subprocess, "run", lambda command, check: reloads.append(command))
+    watcher.check_once()
+    answers[nodes[1].ready] = False
+    assert not watcher.check_once() and watcher.down() == frozenset()  # one failed probe is not enough
+    assert watcher.check_once() and watcher.down() == {nodes[1].name}
+    assert f"server {nodes[1].http} weight={nodes[1].weight} max_fails=1 fail_timeout=10s down;" in (tmp_path / "nginx.conf").read_text()
+    answers[nodes[1].ready] = True
+    watcher.check_once()
+    assert watcher.check_once() and watcher.down() == frozenset()
+    assert len(reloads) == 3  # first render, out, back in
+    for node in nodes:  # every node failing: leave them all in for the passive checks
+        answers[node.ready] = False
+    watcher.check_once(), watcher.check_once()
+    assert watcher.down() == frozenset()
+
+
+def test_node_scripts_are_valid_shell():
+    for script in (DEPLOY / "nodes").glob("*.sh"):
+        assert subprocess.run(["bash", "-n", str(script)]).returncode == 0, script

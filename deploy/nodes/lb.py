@@ -87,7 +87,7 @@ def render(nodes: list[Node], options: RenderOptions, down: frozenset[str] = fro
     values = {
         "WORKER_PROCESSES": options.worker_processes,
         "PID_FILE": f"{options.run_dir}/nginx.pid",
-        "TEMP_DIR": f"{options.run_dir}/tmp",
+        "RUN_DIR": options.run_dir,
         "ERROR_LOG": options.error_log,
         "ACCESS_LOG": options.access_log,
         "HTTP_LISTEN": options.http_listen,
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         command.add_argument("--out", type=Path, required=True, help="the nginx.conf to write")
         command.add_argument("--http-listen", default=RenderOptions.http_listen)
         command.add_argument("--grpc-listen", default=RenderOptions.grpc_listen)
-        command.add_argument("--run-dir", default=RenderOptions.run_dir, help="pid file and temp files")
+        command.add_argument("--run-dir", default=RenderOptions.run_dir, help="pid file and temp files (must exist)")
         command.add_argument("--access-log", default=RenderOptions.access_log)
         command.add_argument("--error-log", default=RenderOptions.error_log)
         command.add_argument("--worker-processes", default=RenderOptions.worker_processes)

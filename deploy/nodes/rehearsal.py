@@ -192,7 +192,7 @@ class Cluster:
         not_ready = [replica.name for replica in self.replicas if not replica.load_seconds]
         if not_ready:
             raise RuntimeError(f"replicas did not start: {not_ready}")
-        (self.run_dir / "tmp").mkdir(parents=True, exist_ok=True)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         arguments = self.lb_arguments()
         lb.main(["render", *arguments])
         nginx = ["nginx", "-p", str(self.run_dir), "-c", str(self.config)]

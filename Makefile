@@ -151,12 +151,12 @@ system-deps:  ## system packages the deploy checks need (nginx, Debian nginx-lig
 		else echo "nginx not found: install it (Debian/Ubuntu: sudo apt-get install nginx-light)"; exit 1; fi; }
 
 image:  ## build the GPU image $(IMAGE) on the NGC Triton base (needs Docker; after `make export`)
-	@command -v docker >/dev/null 2>&1 || { echo "make image: no docker here. On a machine with Docker and this checkout: make export && docker build -f deploy/docker/Dockerfile -t $(IMAGE) ."; exit 1; }
 	@test -f model_repository/kvpop_engine/1/model_spec.json || { echo "make image: no exported model: run make export first"; exit 1; }
+	@docker info >/dev/null 2>&1 || { echo "make image: no Docker engine reachable here. On a machine with Docker and this checkout: make export && docker build -f deploy/docker/Dockerfile -t $(IMAGE) ."; exit 1; }
 	docker build -f deploy/docker/Dockerfile -t $(IMAGE) .
 
 image-lb:  ## build the load balancer image $(LB_IMAGE) (official nginx + lb.py health checks; needs Docker)
-	@command -v docker >/dev/null 2>&1 || { echo "make image-lb: no docker here. On a machine with Docker: docker build -f deploy/nodes/Dockerfile.lb -t $(LB_IMAGE) ."; exit 1; }
+	@docker info >/dev/null 2>&1 || { echo "make image-lb: no Docker engine reachable here. On a machine with Docker: docker build -f deploy/nodes/Dockerfile.lb -t $(LB_IMAGE) ."; exit 1; }
 	docker build -f deploy/nodes/Dockerfile.lb -t $(LB_IMAGE) .
 
 test-cluster: setup system-deps  ## rehearsal: 3 real tritonservers behind real nginx, kill -9 one (~2 min): docs/deploy/rehearsal.json

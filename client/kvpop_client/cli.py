@@ -30,6 +30,13 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--compression-ratio", type=float)
     generate.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     generate.add_argument("--json", action="store_true", help="print the whole validated result as JSON")
+    chat = commands.add_parser("chat", help="chat interactively (one user turn per line, answers streamed)")
+    chat.add_argument("--system", help="a system message opening the conversation")
+    chat.add_argument("--max-tokens", type=int)
+    chat.add_argument("--temperature", type=float)
+    chat.add_argument("--policy", dest="eviction_policy")
+    chat.add_argument("--kv-budget", type=int)
+    chat.add_argument("--compression-ratio", type=float)
     metrics = commands.add_parser("metrics", help="print the kvpop_* Prometheus metrics")
     metrics.add_argument("--metrics-url", default="http://localhost:8002/metrics")
     args = parser.parse_args(argv)
@@ -45,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
                 ready = client.is_ready()
                 print("ready" if ready else "not ready")
                 return 0 if ready else 1
+            if args.command == "chat":
+                return _chat(client, args)
             options = {
                 name: getattr(args, name)
                 for name in ("temperature", "top_p", "top_k", "seed", "eviction_policy", "kv_budget", "compression_ratio")
@@ -63,6 +72,28 @@ def main(argv: list[str] | None = None) -> int:
     except (KVpopClientError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+
+
+def _chat(client: KVpopClient, args: argparse.Namespace) -> int:
+    """Read user turns from stdin until EOF (or "exit"), streaming each answer and keeping the history."""
+    options = {name: getattr(args, name) for name in ("temperature", "eviction_policy", "kv_budget", "compression_ratio")}
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() in ("exit", "quit"):
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        answer = []
+        for chunk in client.stream_chat(messages, max_tokens=args.max_tokens, **options):
+            print(chunk.text, end="", flush=True)
+            answer.append(chunk.text)
+        print(flush=True)
+        messages.append({"role": "assistant", "content": "".join(answer).strip()})
 
 
 if __name__ == "__main__":

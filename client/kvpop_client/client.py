@@ -92,9 +92,13 @@ class KVpopClient:
         return samples
 
     # Generation --------------------------------------------------------------------------------
-    def build_inputs(self, prompt: str | Sequence[int], stop: Sequence[str] = (), **options: Any) -> list:
+    def build_inputs(self, prompt: str | Sequence[int] | Sequence[dict], stop: Sequence[str] = (), **options: Any) -> list:
+        """`prompt`: text, token ids, or a chat (a list of {"role", "content"} dicts, sent as `messages`)."""
         triton = self._triton
-        if isinstance(prompt, str):
+        if _is_chat(prompt):
+            data = np.array([[json.dumps(list(prompt)).encode("utf-8")]], dtype=np.object_)
+            inputs = [triton.InferInput("messages", list(data.shape), "BYTES")]
+        elif isinstance(prompt, str):
             data = np.array([[prompt.encode("utf-8")]], dtype=np.object_)
             inputs = [triton.InferInput("text_input", list(data.shape), "BYTES")]
         else:
@@ -129,6 +133,17 @@ class KVpopClient:
         except self._triton.InferenceServerException as error:
             raise KVpopServerError(error.message(), error.status()) from None
         return Generation.from_outputs(lambda name: _first(result.as_numpy(name)), max_tokens)
+
+    def chat(self, messages: Sequence[dict], max_tokens: int | None = None, stop: Sequence[str] = (),
+             **options: Any) -> Generation:
+        """The assistant's next turn after `messages` ([{"role": "user", "content": ...}, ...]), rendered
+        by the model's chat template on the server; the model's end-of-turn token ends it."""
+        return self.generate(_checked_chat(messages), max_tokens, stop, **options)
+
+    def stream_chat(self, messages: Sequence[dict], max_tokens: int | None = None, stop: Sequence[str] = (),
+                    **options: Any) -> Iterator[StreamChunk]:
+        """`chat`, streamed: yields the answer's text as it is generated (see `stream`)."""
+        return self.stream(_checked_chat(messages), max_tokens, stop, **options)
 
     def stream(self, prompt: str | Sequence[int], max_tokens: int | None = None, stop: Sequence[str] = (),
                **options: Any) -> Iterator[StreamChunk]:
@@ -176,9 +191,10 @@ class KVpopClient:
             client.close()
 
     def _stream_sse(self, prompt, max_tokens, stop, options) -> Iterator[StreamChunk]:
-        if not isinstance(prompt, str):
-            raise TypeError("HTTP streaming (generate_stream) takes a text prompt; use protocol='grpc' for token ids")
-        body = {"text_input": prompt, "stream": True, **{k: v for k, v in options.items() if v is not None}}
+        if not isinstance(prompt, str) and not _is_chat(prompt):
+            raise TypeError("HTTP streaming (generate_stream) takes a text prompt or a chat; use protocol='grpc' for token ids")
+        first = {"messages": json.dumps(list(prompt))} if _is_chat(prompt) else {"text_input": prompt}
+        body = {**first, "stream": True, **{k: v for k, v in options.items() if v is not None}}
         if max_tokens is not None:
             body["max_tokens"] = max_tokens
         if stop:
@@ -226,6 +242,16 @@ def _chunk(values: dict, previous: list[StreamChunk], max_tokens: int | None) ->
     final["finish_reason"] = reason
     result = assemble_stream([*previous, chunk], final, max_tokens)
     return StreamChunk(chunk.text, chunk.token_ids, reason, result)
+
+
+def _is_chat(prompt: Any) -> bool:
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(item, dict) for item in prompt)
+
+
+def _checked_chat(messages: Sequence[dict]) -> list[dict]:
+    if not _is_chat(messages) or not all(isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
+        raise TypeError('messages must be a non-empty list of {"role": str, "content": str} dicts')
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
 def _first(array: np.ndarray | None) -> np.ndarray | None:

@@ -23,9 +23,9 @@ from kvpop.cache import BatchSlotPool, SlotCache
 from kvpop.decoder import DecoderStep, StepOutput
 from kvpop.policies import POLICIES, EvictionPolicy, TokenScorer, make_policy
 from kvpop.sampling import Sampler, SamplingParams
+from kvpop.scorer import LEARNED_SCORER_KINDS, learned_scorer
 
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED = "stop", "length", "cancelled"
-LEARNED_SCORER_KINDS = ("mlstm", "mlp")  # exported as scorer_<kind>.onnx beside the decoder
 NO_TOKEN = -1  # token_id of an event that carries no token (a cancellation)
 
 
@@ -38,9 +38,10 @@ class CacheConfig:
     """Which policy keeps a request's cache, and how many slots per head it may use.
 
     Give `budget` (slots per head) or `compression` (0 <= r < 1; budget = ceil((1 - r) * (prompt
-    tokens + max_tokens))), not both; `full` takes neither. `sinks`, `window`, `seed` and `scorer`
-    reach the policies that have such a field (streaming: sinks; h2o: window; random: seed; kvpop:
-    sinks, window, scorer) and are clamped so that sinks + window fit in the budget.
+    tokens + max_tokens))), not both; `full` takes neither. `sinks`, `window` and `seed` reach the
+    policies that have such a field (streaming: sinks; h2o: window; random: seed; kvpop: sinks,
+    window) and are clamped so that sinks + window fit in the budget. `scorer` is the kvpop policy's
+    alone: every other policy ignores it (a service passes its kvpop scorer with every request).
     """
 
     policy: str = "full"
@@ -49,7 +50,7 @@ class CacheConfig:
     sinks: int = 4
     window: int = 64
     seed: int = 0  # random policy
-    scorer: str = "accumulated_attention"  # kvpop policy: a built-in scorer, or a learned one ("mlstm", "mlp")
+    scorer: str = "accumulated_attention"  # kvpop only: a built-in scorer or one of LEARNED_SCORER_KINDS
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -65,8 +66,13 @@ class CacheConfig:
             raise ValueError(f"compression must be in [0, 1), got {self.compression!r}")
         if self.sinks < 0 or self.window < 0:
             raise ValueError(f"sinks and window must be >= 0, got sinks={self.sinks} window={self.window}")
-        if self.scorer not in LEARNED_SCORER_KINDS:
+        if self.learned_scorer is None:
             self.build_policy()  # fails here, with the policy's own message, on bad options
+
+    @property
+    def learned_scorer(self) -> str | None:
+        """The learned scorer kind this request needs from the engine (kvpop only), or None."""
+        return self.scorer if self.policy == "kvpop" and self.scorer in LEARNED_SCORER_KINDS else None
 
     def resolve_budget(self, prompt_tokens: int, max_tokens: int) -> int | None:
         """Slots per head for a request of this size; None for the unbounded full cache."""
@@ -77,16 +83,15 @@ class CacheConfig:
         return max(1, math.ceil((1.0 - self.compression) * (prompt_tokens + max_tokens)))
 
     def build_policy(self, learned_scorers: dict[str, TokenScorer] | None = None) -> EvictionPolicy:
-        """The policy instance; a learned scorer's name resolves to the engine's loaded network, whose
-        protected window is the one it was trained for."""
+        """The policy instance. Only kvpop gets a scorer; a learned one resolves to the engine's loaded
+        network, whose protected window (the one it was trained for) replaces `window`."""
+        if self.policy != "kvpop":
+            return make_policy(self.policy, sinks=self.sinks, window=self.window, seed=self.seed)
         scorer, window = self.scorer, self.window
-        if scorer in LEARNED_SCORER_KINDS:
-            if self.policy == "kvpop" and scorer not in (learned_scorers or {}):
-                available = sorted(learned_scorers or {}) or "none: export the model after `make train-scorer`"
-                raise ValueError(f"no learned kvpop scorer {scorer!r} in this model (available: {available})")
-            scorer = (learned_scorers or {}).get(scorer, "accumulated_attention")
+        if self.learned_scorer is not None:
+            scorer = learned_scorer(self.learned_scorer, learned_scorers or {})
             window = getattr(scorer, "window", window)
-        return make_policy(self.policy, sinks=self.sinks, window=window, seed=self.seed, scorer=scorer)
+        return make_policy(self.policy, sinks=self.sinks, window=window, scorer=scorer)
 
 
 @dataclass
@@ -189,11 +194,11 @@ class Engine:
                 f"request {request.request_id!r}: prompt of {len(request.prompt_ids)} tokens does not fit "
                 f"the model's {self.spec.max_position_embeddings} positions"
             )
-        cache = request.cache
-        if cache.policy == "kvpop" and cache.scorer in LEARNED_SCORER_KINDS and cache.scorer not in self.learned_scorers:
-            available = sorted(self.learned_scorers) or "none: export the model after `make train-scorer`"
-            raise ValueError(f"request {request.request_id!r}: no learned kvpop scorer {cache.scorer!r} "
-                             f"in this model (available: {available})")
+        if request.cache.learned_scorer is not None:
+            try:
+                learned_scorer(request.cache.learned_scorer, self.learned_scorers)
+            except ValueError as error:
+                raise ValueError(f"request {request.request_id!r}: {error}") from None
         if request.sampling.stop and self.tokenizer is None:
             raise ValueError(f"request {request.request_id!r}: stop strings need an engine with a tokenizer")
         with self._lock:

@@ -32,7 +32,9 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-KINDS = ("mlstm", "mlp")
+from kvpop.scorer import LEARNED_SCORER_KINDS
+
+KINDS = LEARNED_SCORER_KINDS
 STATE_NAMES = ("memory", "normaliser", "stabiliser")  # the mLSTM state, in this order everywhere
 _MASKED = -1e30  # log-weight of a (query, key) pair the causal mask removes; exp() of it is 0
 

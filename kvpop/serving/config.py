@@ -44,8 +44,8 @@ class ServiceConfig:
                 f"parameter default_max_tokens ({self.default_max_tokens}) exceeds max_output_tokens "
                 f"({self.max_output_tokens})"
             )
-        from kvpop.engine import LEARNED_SCORER_KINDS
         from kvpop.policies import POLICIES, SCORERS
+        from kvpop.scorer import LEARNED_SCORER_KINDS
 
         scorers = ["auto", *LEARNED_SCORER_KINDS, *SCORERS]
         if self.kvpop_scorer not in scorers:

@@ -17,6 +17,7 @@ import numpy as np
 from kvpop.decoder import DecoderStep
 from kvpop.engine import Engine, load_learned_scorers
 from kvpop.policies import POLICIES
+from kvpop.scorer import LEARNED_SCORER_KINDS, learned_scorer
 from kvpop.serving.admission import AdmissionPolicy, KVPoolAdmission
 from kvpop.serving.config import ServiceConfig
 from kvpop.serving.request import InvalidRequestError, parse_request
@@ -54,8 +55,11 @@ class KVpopService:
         self.kvpop_scorer = config.kvpop_scorer
         if self.kvpop_scorer == "auto":
             self.kvpop_scorer = "mlstm" if "mlstm" in self.learned_scorers else "accumulated_attention"
-        elif self.kvpop_scorer not in self.learned_scorers and self.kvpop_scorer in ("mlstm", "mlp"):
-            raise ValueError(f"parameter kvpop_scorer {self.kvpop_scorer!r}: not exported with this model")
+        elif self.kvpop_scorer in LEARNED_SCORER_KINDS:
+            try:
+                learned_scorer(self.kvpop_scorer, self.learned_scorers)
+            except ValueError as error:
+                raise ValueError(f"parameter kvpop_scorer: {error}") from None
         admission = KVPoolAdmission(
             AdmissionPolicy(config.kv_pool_mb * 2**20, config.min_kv_budget, config.max_queue_size), self.decoder.spec
         )

@@ -15,7 +15,7 @@ PID_FILE := run/tritonserver.pid
 
 .PHONY: help setup model export serve serve-bg stop test test-unit test-e2e clean reference-model eval-reference \
 	train-scorer tasks eval-sweep kvpress-env eval-kvpress speed speed-quick loadtest \
-	system-deps image image-lb test-cluster
+	system-deps image image-lb test-cluster load-time
 
 REFERENCE := models/reference
 # The default served model: SmolLM2-135M-Instruct, built by `make model` (not by setup: tests never need it).
@@ -158,6 +158,9 @@ image:  ## build the GPU image $(IMAGE) on the NGC Triton base (needs Docker; af
 image-lb:  ## build the load balancer image $(LB_IMAGE) (official nginx + lb.py health checks; needs Docker)
 	@docker info >/dev/null 2>&1 || { echo "make image-lb: no Docker engine reachable here. On a machine with Docker: docker build -f deploy/nodes/Dockerfile.lb -t $(LB_IMAGE) ."; exit 1; }
 	docker build -f deploy/nodes/Dockerfile.lb -t $(LB_IMAGE) .
+
+load-time: setup  ## model load time at server start, 3 starts (make export's model, else a tiny one): docs/deploy/load_time.json
+	$(PY) -m deploy.load_time --starts 3
 
 test-cluster: setup system-deps  ## rehearsal: 3 real tritonservers behind real nginx, kill -9 one (~2 min): docs/deploy/rehearsal.json
 	$(PY) -m pytest -q -m cluster tests/cluster

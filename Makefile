@@ -91,14 +91,14 @@ test-e2e: setup  ## end-to-end tests only (real tritonserver, tritonclient HTTP 
 	$(PY) -m pytest -q -m server
 
 reference-model: setup  ## train the shipped reference model (resumes models/reference/checkpoint; hours on a CPU)
-	$(PY) -m kvpop.reference.train --out $(REFERENCE) --threads $(THREADS)
+	$(PY) -m kvpop_train.reference.train --out $(REFERENCE) --threads $(THREADS)
 
 eval-reference: setup  ## full-cache and StreamingLLM accuracy of the reference model per context length (JSON + plot)
-	$(PY) -m kvpop.reference.evaluate --model $(REFERENCE) --lengths 512 1024 2048 --num 200 --threads $(THREADS) \
+	$(PY) -m kvpop_train.reference.evaluate --model $(REFERENCE) --lengths 512 1024 2048 --num 200 --threads $(THREADS) \
 		--out docs/reference_model
 
 train-scorer: setup  ## train the KVpop scorers (mLSTM + MLP) for MODEL (default: the reference model) into MODEL/scorer
-	$(PY) -m kvpop.scorer.train --model $(or $(MODEL),$(REFERENCE)) --window $(KV_WINDOW)
+	$(PY) -m kvpop_train.scorer.train --model $(or $(MODEL),$(REFERENCE)) --window $(KV_WINDOW)
 
 tasks: setup  ## write 200 reference tasks of TASK_SPLIT (default heldout) at TASK_TOKENS (default 2048) to build/tasks/
 	$(PY) -m kvpop.tasks write --split $(TASK_SPLIT) --num 200 --context-tokens $(TASK_TOKENS) $(if $(TASK_FACTS),--num-facts $(TASK_FACTS)) --out $(TASKS_FILE)

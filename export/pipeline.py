@@ -121,7 +121,7 @@ def export_model(model_dir: Path, output_dir: Path) -> dict:
 
 def export_learned_scorers(scorer_dir: Path, output_dir: Path, stage) -> dict[str, dict]:
     """The trained KVpop scorers beside the model (`make train-scorer`), as ONNX with parity checks."""
-    from kvpop.scorer.onnx_export import export_scorers
+    from kvpop_train.scorer.onnx_export import export_scorers
 
     for stale in output_dir.glob("scorer_*"):
         stale.unlink()

@@ -11,7 +11,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_hf_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from export.tiny_model import build_tiny_llama
-    from kvpop.scorer.train import main as train_scorer
+    from kvpop_train.scorer.train import main as train_scorer
 
     model_dir = build_tiny_llama(tmp_path_factory.mktemp("tiny") / "hf")
     # A few steps are enough to exercise the learned scorer end to end (not to make it good).

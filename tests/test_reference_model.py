@@ -8,16 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, DynamicCache, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaForCausalLM
 
-from kvpop.reference.batches import IGNORE, collate, encode_drill, encode_task
-from kvpop.reference.curriculum import STAGES, CurriculumState
-from kvpop.reference.drills import LookupDrill, RepeatDrill, drill_words
-from kvpop.reference.decoding import StreamingLLM, _forward, greedy_generate
-from kvpop.reference.model import ReferenceModelConfig, build_model, widen_mlp
-from kvpop.reference.tokenizer import BOS, EOS, VOCAB, encode_words, save_tokenizer
-from kvpop.tasks import TaskConfig, exact_match, generate_task
-from kvpop.tasks.language import FINAL
+from kvpop.tasks import TaskConfig, generate_task
+from kvpop_train.reference.batches import IGNORE, collate, encode_drill, encode_task
+from kvpop_train.reference.curriculum import STAGES, CurriculumState
+from kvpop_train.reference.drills import LookupDrill, RepeatDrill, drill_words
+from kvpop_train.reference.model import ReferenceModelConfig, build_model, widen_mlp
+from kvpop_train.reference.tokenizer import BOS, EOS, VOCAB, encode_words, save_tokenizer
 
 SHIPPED = Path(__file__).resolve().parents[1] / "models" / "reference"
 
@@ -88,33 +86,6 @@ def test_curriculum_advances_on_accuracy_only() -> None:
     assert state.records[0].passed_step == 20 and state.records[1].name == STAGES[1].name
 
 
-def test_full_cache_greedy_matches_uncached_argmax(tiny_model) -> None:
-    prompt = torch.randint(4, len(VOCAB), (40,)).tolist()
-    generated = greedy_generate(tiny_model, prompt, 4, stop_ids=set())
-    sequence = list(prompt)
-    with torch.no_grad():
-        for _ in range(4):
-            sequence.append(int(tiny_model(input_ids=torch.tensor([sequence])).logits[0, -1].argmax()))
-    assert generated == sequence[len(prompt) :]
-
-
-def test_streaming_cache_equals_sinks_plus_sliding_window_attention(tiny_model) -> None:
-    """Cropping the RoPE-rotated cache must equal masking attention to sinks + recent tokens."""
-    length, budget, sinks = 50, 16, 4
-    ids = torch.randint(4, len(VOCAB), (1, length))
-    query, key = torch.arange(length)[:, None], torch.arange(length)[None, :]
-    allowed = (key <= query) & ((key < sinks) | (query - key < budget - sinks))  # (T, T)
-    with torch.no_grad():
-        reference = tiny_model(input_ids=ids, attention_mask=allowed[None, None]).logits[0]  # (T, V)
-        policy, cache = StreamingLLM(budget=budget, sink_tokens=sinks), DynamicCache(config=tiny_model.config)
-        logits = []
-        for position in range(length):
-            policy.crop(cache, room=1)
-            logits.append(_forward(tiny_model, [int(ids[0, position])], position, cache)[0])
-    assert cache.layers[0].keys.shape[-2] == budget
-    torch.testing.assert_close(torch.cat(logits), reference, atol=1e-4, rtol=1e-4)
-
-
 def _hardest_passed_gate() -> TaskConfig | None:
     summary = json.loads((SHIPPED / "training_summary.json").read_text())
     passed = [r["name"] for r in summary["stages"] if r["passed_step"] is not None]
@@ -124,20 +95,17 @@ def _hardest_passed_gate() -> TaskConfig | None:
     return dataclasses.replace(gate, questions=1)
 
 
-@pytest.mark.skipif(not (SHIPPED / "model.safetensors").exists(), reason="reference model not trained yet")
-def test_shipped_model_answers_test_tasks() -> None:
+def test_shipped_model_answers_test_tasks(reference_onnx_model_dir) -> None:
+    """Through the one accuracy harness (kvpop.eval): the exported model, run by the engine."""
+    from kvpop.engine import CacheConfig, Engine
+    from kvpop.eval import evaluate
+
     gate = _hardest_passed_gate()
     if gate is None:
         pytest.skip("the shipped model has not passed a curriculum stage yet")
-    torch.set_num_threads(1)
-    tokenizer = AutoTokenizer.from_pretrained(SHIPPED)
-    model = LlamaForCausalLM.from_pretrained(SHIPPED).eval()
-    assert model.config.num_key_value_heads < model.config.num_attention_heads  # grouped-query attention
-    tasks = [generate_task(gate, "test", i) for i in range(8)]
-    right = 0
-    for task in tasks:
-        ids = greedy_generate(
-            model, tokenizer(task.prompt)["input_ids"], 96, {tokenizer.eos_token_id}, tokenizer.convert_tokens_to_ids(FINAL)
-        )
-        right += exact_match(tokenizer.decode(ids, skip_special_tokens=True), task.answer)
+    engine = Engine.from_model_dir(reference_onnx_model_dir)
+    assert engine.spec.num_kv_heads < engine.spec.num_attention_heads  # grouped-query attention
+    tasks = [generate_task(gate, "test", i).to_json() for i in range(8)]
+    report = evaluate(engine, tasks, CacheConfig("full"), max_tokens=96)
+    right = sum(row["correct"] for row in report["rows"])
     assert right >= 6, f"{right}/8 test tasks right at {gate}"

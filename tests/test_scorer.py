@@ -7,9 +7,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvpop.scorer.network import Scorer, ScorerConfig, load_scorer, save_scorer  # noqa: E402
-from kvpop.scorer.targets import attention_received, dense_attention_received  # noqa: E402
-
+from kvpop_train.scorer.network import Scorer, ScorerConfig, load_scorer, save_scorer  # noqa: E402
+from kvpop_train.scorer.targets import attention_received, dense_attention_received  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -61,7 +60,7 @@ def test_traces_record_cached_keys_and_model_attention(tiny_hf_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from export.decoder_step import SlotCacheDecoderStep
-    from kvpop.scorer.traces import collect_traces
+    from kvpop_train.scorer.traces import collect_traces
 
     model = AutoModelForCausalLM.from_pretrained(tiny_hf_model_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_hf_model_dir)
@@ -96,8 +95,8 @@ def test_continuation_targets_take_the_max_over_runs(tiny_hf_model_dir):
     is the max over both runs (per query head, then max over the group, log)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvpop.scorer.targets import future_importance
-    from kvpop.scorer.traces import TraceText, collect_traces
+    from kvpop_train.scorer.targets import future_importance
+    from kvpop_train.scorer.traces import TraceText, collect_traces
 
     model = AutoModelForCausalLM.from_pretrained(tiny_hf_model_dir, attn_implementation="eager").eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_hf_model_dir)
@@ -140,7 +139,7 @@ def test_network_shapes_and_chunk_invariance(kind):
 
 def test_mlstm_matches_the_plain_recurrence():
     """The stabilised chunkwise form equals h_t = C_t q / max(|n_t . q|, 1), C_t = f C + i v k^T."""
-    from kvpop.scorer.network import mlstm_chunk
+    from kvpop_train.scorer.network import mlstm_chunk
 
     generator = torch.Generator().manual_seed(3)
     heads, steps, dim = 3, 9, 4
@@ -167,8 +166,8 @@ def test_mlstm_matches_the_plain_recurrence():
 
 
 def test_training_runs_and_checkpoint_roundtrips(tmp_path):
-    from kvpop.scorer.traces import Trace
-    from kvpop.scorer.train import TrainConfig, TrainingSet, train_scorer
+    from kvpop_train.scorer.traces import Trace
+    from kvpop_train.scorer.train import TrainConfig, TrainingSet, train_scorer
 
     def trace(seed):
         key, value = random_sequence(60, seed)
@@ -193,7 +192,7 @@ def test_training_runs_and_checkpoint_roundtrips(tmp_path):
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """Both variants exported once (parity is checked by the export itself)."""
-    from kvpop.scorer.onnx_export import export_scorer
+    from kvpop_train.scorer.onnx_export import export_scorer
 
     directory = tmp_path_factory.mktemp("scorer")
     torch.manual_seed(0)
@@ -273,9 +272,9 @@ def test_learned_scorer_with_attention_feature_sees_what_traces_record(tiny_hf_m
     from kvpop.cache import SlotCache
     from kvpop.model_spec import ModelSpec
     from kvpop.policies.kvpop import SCORE, KVpopPolicy
-    from kvpop.scorer.onnx_export import export_scorer
     from kvpop.scorer.runtime import LearnedScorer
-    from kvpop.scorer.traces import collect_traces
+    from kvpop_train.scorer.onnx_export import export_scorer
+    from kvpop_train.scorer.traces import collect_traces
 
     model = AutoModelForCausalLM.from_pretrained(tiny_hf_model_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_hf_model_dir)

@@ -9,10 +9,10 @@ import pytest
 
 from kvpop.tasks import TaskConfig, accuracy, exact_match, extract_final_answer, generate_split, generate_task
 from kvpop.tasks.__main__ import main as cli_main
-from kvpop.reference.drills import _SEED_BASE as DRILL_SEED_BASE
 from kvpop.tasks.generator import SPLITS, task_seed
 from kvpop.tasks.language import WORDS
 from kvpop.tasks.solver import asked_name, parse_definitions, solve
+from kvpop_train.reference.drills import _SEED_BASE as DRILL_SEED_BASE
 
 CONFIGS = [
     TaskConfig(context_tokens=512, hops=3),

@@ -1,6 +1,6 @@
-"""The learned KVpop scorer: targets, network, traces and training (torch), ONNX export and runtime.
+"""The learned KVpop scorer at serve time: `runtime` runs the exported ONNX step (no torch).
 
-Only `runtime` is needed at serve time and imports no torch; import the modules directly.
+Its network, traces, targets, training and ONNX export live in `kvpop_train.scorer`.
 """
 
 # The learned scorer variants, here and nowhere else: trained by `make train-scorer`, exported as

@@ -1,6 +1,6 @@
 """Export a trained scorer to ONNX, its recurrent state as explicit inputs and outputs, and check parity.
 
-`python -m kvpop.scorer.onnx_export --scorers MODEL/scorer --out model_repository/kvpop_engine/1`
+`python -m kvpop_train.scorer.onnx_export --scorers MODEL/scorer --out model_repository/kvpop_engine/1`
 writes `scorer_<kind>.onnx` and `scorer_<kind>.json` (config, tensor names, state shapes, parity) for
 every `scorer_<kind>.pt` found. The runtime (kvpop.scorer.runtime) needs only those two files.
 """
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from kvpop.scorer.network import KINDS, STATE_NAMES, Scorer, ScorerConfig, load_scorer
+from kvpop_train.scorer.network import KINDS, STATE_NAMES, Scorer, ScorerConfig, load_scorer
 
 TOKEN_INPUTS = ("new_key", "new_value", "leaving_key", "leaving_value")
 ATTENTION_INPUT = "leaving_attention"  # (L, Hkv, T), only with ScorerConfig.attention_feature
@@ -143,7 +143,7 @@ def export_scorers(scorer_dir: Path, output_dir: Path) -> list[ScorerExport]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvpop.scorer.onnx_export", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kvpop_train.scorer.onnx_export", description=__doc__.splitlines()[0])
     parser.add_argument("--scorers", type=Path, required=True, help="directory with scorer_<kind>.pt (train output)")
     parser.add_argument("--out", type=Path, required=True, help="model version directory to write into")
     args = parser.parse_args(argv)

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
-from kvpop.reference.batches import IGNORE, ROLE_IDS, collate
 from kvpop.tasks import Task
+from kvpop_train.reference.batches import IGNORE, ROLE_IDS, collate
 
 
 @dataclass(frozen=True)

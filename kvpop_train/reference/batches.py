@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpop.reference.drills import Drill, drill_words
-from kvpop.reference.tokenizer import BOS, EOS, PAD, VOCAB, encode_words
 from kvpop.tasks import Task, TaskConfig, generate_task
 from kvpop.tasks.generator import FORMAT, question_words
+from kvpop_train.reference.drills import Drill, drill_words
+from kvpop_train.reference.tokenizer import BOS, EOS, PAD, VOCAB, encode_words
 
 ROLE_IDS: dict[str, int] = {"none": 0, FORMAT: 1, "copy": 2, "compute": 3, "retrieve": 4}
 IGNORE = -100

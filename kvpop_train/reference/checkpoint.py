@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, LlamaForCausalLM
 
-from kvpop.reference.curriculum import CurriculumState, StageRecord
-from kvpop.reference.model import ReferenceModelConfig
-from kvpop.reference.tokenizer import BOS, EOS, PAD, VOCAB, save_tokenizer
+from kvpop_train.reference.curriculum import CurriculumState, StageRecord
+from kvpop_train.reference.model import ReferenceModelConfig
+from kvpop_train.reference.tokenizer import BOS, EOS, PAD, VOCAB, save_tokenizer
 
 CHECKPOINT_FILE = "state.pt"
 SUMMARY_FILE = "training_summary.json"

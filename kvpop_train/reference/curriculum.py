@@ -1,7 +1,7 @@
 """Curriculum: stages of task distributions, advanced by measured accuracy, never by the clock.
 
 Retrieval is the skill that forms slowly (issue 3), so the first stage is dense drills of the
-one circuit every lookup uses (kvpop.reference.drills) next to short recall questions. Chains
+one circuit every lookup uses (kvpop_train.reference.drills) next to short recall questions. Chains
 of facts come next at short lengths, then the benchmark lengths themselves (RoPE models do not
 extrapolate, so each length is trained before it is evaluated). Later stages keep sampling the
 shorter distributions so earlier skills are not forgotten.
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvpop.reference.drills import Drill, LookupDrill, RepeatDrill
 from kvpop.tasks import TaskConfig
+from kvpop_train.reference.drills import Drill, LookupDrill, RepeatDrill
 
 
 @dataclass(frozen=True)

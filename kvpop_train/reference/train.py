@@ -1,6 +1,6 @@
 """Train the reference model through the curriculum; resumes from the checkpoint when one exists.
 
-    python -m kvpop.reference.train --out models/reference [--threads N] [--hours H]
+    python -m kvpop_train.reference.train --out models/reference [--threads N] [--hours H]
 
 Validation runs every --eval-every-tokens training tokens on the current stage's gate set and
 decides when the curriculum advances. A checkpoint (model, optimizer, curriculum, counters,
@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from kvpop.reference.batches import IGNORE, TrainingStream
-from kvpop.reference.checkpoint import (
+from kvpop.tasks import generate_split
+from kvpop_train.reference.batches import IGNORE, TrainingStream
+from kvpop_train.reference.checkpoint import (
     TrainingState,
     export_model,
     load_checkpoint,
@@ -31,14 +32,13 @@ from kvpop.reference.checkpoint import (
     save_checkpoint,
     summarize,
 )
-from kvpop.reference.model import ReferenceModelConfig, build_model, widen_mlp
-from kvpop.reference.model_card import render_card
-from kvpop.reference.validation import validate
-from kvpop.tasks import generate_split
+from kvpop_train.reference.model import ReferenceModelConfig, build_model, widen_mlp
+from kvpop_train.reference.model_card import render_card
+from kvpop_train.reference.validation import validate
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m kvpop.reference.train", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m kvpop_train.reference.train", description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("models/reference"), help="exported model directory")
     parser.add_argument("--checkpoint-dir", type=Path, default=None, help="default: OUT/checkpoint")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)

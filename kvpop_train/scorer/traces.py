@@ -3,7 +3,7 @@ layer and KV head, what the scorer will see at serve time and what it should pre
 
 Recorded per token: the key AFTER RoPE and the value, exactly what the ONNX decoder step hands the
 slot cache (so the runtime needs no extra decoder output and no second copy of the cache); the
-future-attention target (kvpop.scorer.targets); and the attention the token received while in the
+future-attention target (kvpop_train.scorer.targets); and the attention the token received while in the
 window, what the attention-based stand-in scorer knows, so training reports can compare against it.
 Pre-RoPE keys are not recorded: the engine never has them, and the RoPE-invariant part of the key
 (the norm of each rotation pair) is recomputed from the post-RoPE key by the network. Queries are
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvpop.scorer.targets import attention_received, future_importance
+from kvpop_train.scorer.targets import attention_received, future_importance
 
 CAPTURE_ATTENTION = "kvpop_trace"
 DEFAULT_TASK_LENGTHS = (512, 1024, 2048)  # prompt lengths of the reference benchmark

@@ -6,8 +6,8 @@ accuracy table, so the card never states a number that was not measured.
 
 from __future__ import annotations
 
-from kvpop.reference.curriculum import STAGES
 from kvpop.tasks import TaskConfig, generate_task
+from kvpop_train.reference.curriculum import STAGES
 
 
 def render_card(summary: dict, evaluation: dict | None = None) -> str:
@@ -52,7 +52,7 @@ def render_card(summary: dict, evaluation: dict | None = None) -> str:
         "",
         "AdamW (fp32 on CPU), loss only on chain-of-thought tokens, drill targets and EOS. The first stage",
         "mixes dense drills (lookups of facts back to back, and repeated runs of words) that make the",
-        "name-keyed copy carry most of the loss (kvpop/reference/drills.py). A curriculum advances",
+        "name-keyed copy carry most of the loss (kvpop_train/reference/drills.py). A curriculum advances",
         "when the teacher-forced validation accuracy of its gate distribution (every reasoning token right)",
         "reaches the threshold; later stages keep sampling the shorter distributions.",
         "",
@@ -83,7 +83,8 @@ def render_card(summary: dict, evaluation: dict | None = None) -> str:
     else:
         lines += [
             f"StreamingLLM keeps the first {evaluation['sink_tokens']} tokens and the most recent ones, "
-            f"{evaluation['keep_fraction']:.0%} of all tokens ({1 - evaluation['keep_fraction']:.0%} compression).",
+            f"{evaluation['keep_fraction']:.0%} of the prompt plus max_tokens ({1 - evaluation['keep_fraction']:.0%} "
+            "compression; the engine's policy, measured by kvpop.eval).",
             "",
             "| context tokens | tasks | full cache | StreamingLLM |",
             "|---|---|---|---|",

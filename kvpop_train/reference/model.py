@@ -13,10 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kvpop.reference.tokenizer import BOS, EOS, PAD, VOCAB
+from kvpop_train.reference.tokenizer import BOS, EOS, PAD, VOCAB
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""`python -m kvpop.scorer.train --model DIR --out DIR`: train the KVpop scorers on traces of a model.
+"""`python -m kvpop_train.scorer.train --model DIR --out DIR`: train the KVpop scorers on traces of a model.
 
 Loss: a pairwise ranking loss at the eviction boundary. When token u leaves the window, the decision
 that matters is whether it beats the weakest token currently kept in the k long-range slots. With
@@ -27,8 +27,8 @@ import torch
 from torch.nn import functional
 from tqdm import tqdm
 
-from kvpop.scorer.network import KINDS, Scorer, ScorerConfig, save_scorer
-from kvpop.scorer.traces import Trace, collect_traces, load_traces, read_texts, save_traces, task_texts
+from kvpop_train.scorer.network import KINDS, Scorer, ScorerConfig, save_scorer
+from kvpop_train.scorer.traces import Trace, collect_traces, load_traces, read_texts, save_traces, task_texts
 
 CHECKPOINT_NAME = "scorer_{kind}.pt"
 REPORT_NAME = "training_report.json"
@@ -186,7 +186,7 @@ def train_scorer(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvpop.scorer.train", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kvpop_train.scorer.train", description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True, help="Hugging Face model directory (not modified)")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: MODEL/scorer)")
     parser.add_argument("--texts", type=Path, default=None, help="JSONL of texts (default: reference task train split)")

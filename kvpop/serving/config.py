@@ -9,12 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-# Request parameter of a control message to kvpop_engine that cancels the request with that client
-# request id. kvpop_service sends it when its own client goes away (a BLS call cannot be cancelled in
-# Triton 2.51). Lives here because both models import this light module.
-CANCEL_PARAMETER = "kvpop_cancel"
-
-
 @dataclass(frozen=True)
 class ServiceConfig:
     default_policy: str = "full"  # eviction policy when a request names none

@@ -147,6 +147,8 @@ class TritonServer:
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         library_path = [str(path) for path in installation.library_dirs] + [env.get("LD_LIBRARY_PATH", "")]
         env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, library_path))
+        # kvpop_service reaches the engine through this server's own gRPC endpoint.
+        env["KVPOP_ENGINE_GRPC_URL"] = self.grpc_url
         return env
 
     def start(self) -> "TritonServer":

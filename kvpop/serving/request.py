@@ -132,7 +132,7 @@ def parse_request(
             raise InvalidRequestError("send exactly one of text_input, input_ids or messages")
         text = chat
     if (text is None) == (ids is None):
-        raise InvalidRequestError("send exactly one of text_input (BYTES) or input_ids (INT64 [-1])")
+        raise InvalidRequestError("send exactly one of text_input (BYTES) or input_ids (INT32 [1, N])")
 
     if text is not None:
         if text.size != 1:

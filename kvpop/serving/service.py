@@ -7,7 +7,6 @@ Kept free of `triton_python_backend_utils` so it runs (and is tested) without Tr
 from __future__ import annotations
 
 import itertools
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -65,7 +64,6 @@ class KVpopService:
         )
         self.worker = EngineWorker(self._new_engine, self.tokenizer, admission, metrics).start()
         self._ids = itertools.count()
-        self._by_client_id: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # client id -> channel
 
     def _new_engine(self) -> Engine:
         return Engine(
@@ -99,14 +97,6 @@ class KVpopService:
             request_id, get_input, parameters, self.tokenizer, self.decoder.spec.vocab_size, self.config, self.kvpop_scorer
         )
         self.worker.submit(parsed, channel)
-        if client_request_id:
-            self._by_client_id[client_request_id] = channel
-
-    def cancel(self, client_request_id: str) -> None:
-        """Cancel the running or queued request that arrived with this client request id, if any."""
-        channel = self._by_client_id.get(client_request_id)
-        if channel is not None:
-            channel.cancelled = True
 
     def shutdown(self) -> None:
         self.worker.stop()

@@ -25,12 +25,12 @@ def tensor(module, name, value, datatype):
 GOOD_TEXT = ("text_input", [[b"Let a = 7."]], "BYTES")
 BAD_REQUESTS = {
     "no prompt": ([("max_tokens", [[4]], "INT32")], "exactly one of text_input"),
-    "both prompts": ([GOOD_TEXT, ("input_ids", [[1, 2]], "INT64")], "exactly one of text_input"),
+    "both prompts": ([GOOD_TEXT, ("input_ids", [[1, 2]], "INT32")], "exactly one of text_input"),
     "empty text": ([("text_input", [[b"   "]], "BYTES")], "empty"),
-    "empty ids": ([("input_ids", np.zeros((1, 0), np.int64), "INT64")], "input_ids is empty"),
+    "empty ids": ([("input_ids", np.zeros((1, 0), np.int32), "INT32")], "input_ids is empty"),
     "invalid utf-8": ([("text_input", [[b"\xff\xfe bad"]], "BYTES")], "not valid UTF-8"),
-    "oversized prompt": ([("input_ids", [list(range(3, 303)) * 2], "INT64")], "at most 512"),
-    "token out of vocabulary": ([("input_ids", [[1, 2, 99999]], "INT64")], "out of range"),
+    "oversized prompt": ([("input_ids", [list(range(3, 303)) * 2], "INT32")], "at most 512"),
+    "token out of vocabulary": ([("input_ids", [[1, 2, 99999]], "INT32")], "out of range"),
     "negative temperature": ([GOOD_TEXT, ("temperature", [[-1.0]], "FP32")], "temperature"),
     "top_p zero": ([GOOD_TEXT, ("top_p", [[0.0]], "FP32")], "top_p"),
     "negative top_k": ([GOOD_TEXT, ("top_k", [[-3]], "INT32")], "top_k"),

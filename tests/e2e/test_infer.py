@@ -45,8 +45,8 @@ def client(triton_server, request):
 
 
 def ids_inputs(module, prompt_ids, max_tokens):
-    ids = module.InferInput("input_ids", [1, len(prompt_ids)], "INT64")
-    ids.set_data_from_numpy(np.array([prompt_ids], dtype=np.int64))
+    ids = module.InferInput("input_ids", [1, len(prompt_ids)], "INT32")
+    ids.set_data_from_numpy(np.array([prompt_ids], dtype=np.int32))
     limit = module.InferInput("max_tokens", [1, 1], "INT32")
     limit.set_data_from_numpy(np.array([[max_tokens]], dtype=np.int32))
     return [ids, limit]

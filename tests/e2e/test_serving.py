@@ -174,7 +174,7 @@ def test_a_cancelled_complete_answer_request_frees_its_slots(triton_server, metr
     cancelled_before = metrics("kvpop_requests_total", finish_reason="cancelled")
     with grpcclient.InferenceServerClient(triton_server.grpc_url) as client:
         inputs = []
-        for name, value, datatype in [("input_ids", [LONG_PROMPT], "INT64"), ("max_tokens", [[60_000]], "INT32"),
+        for name, value, datatype in [("input_ids", [LONG_PROMPT], "INT32"), ("max_tokens", [[60_000]], "INT32"),
                                       ("ignore_eos", [[True]], "BOOL"), ("eviction_policy", [[b"streaming"]], "BYTES"),
                                       ("kv_budget", [[256]], "INT32")]:
             array = np.array(value, dtype=np.object_ if datatype == "BYTES" else {"INT64": np.int64, "INT32": np.int32, "BOOL": bool}[datatype])

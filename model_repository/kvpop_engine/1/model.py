@@ -11,7 +11,8 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
 from kvpop.serving.admission import OverloadedError
-from kvpop.serving.config import CANCEL_PARAMETER, ServiceConfig
+from kvpop.serving.config import ServiceConfig
+from kvpop.serving.errors import tagged
 from kvpop.serving.metrics import ServiceMetrics
 from kvpop.serving.request import InvalidRequestError, parse_parameters
 from kvpop.serving.service import KVpopService, Placement
@@ -34,23 +35,23 @@ class TritonChannel:
         self.request = request  # kept alive for is_cancelled()
         self.sender = request.get_response_sender()
         self.output_dtypes = output_dtypes
-        self.cancelled = False  # set by a cancel message from kvpop_service (BLS cannot cancel itself)
 
     def send(self, tensors, final):
-        response = pb_utils.InferenceResponse(
-            output_tensors=[
-                pb_utils.Tensor(name, value.astype(self.output_dtypes[name], copy=False))
-                for name, value in tensors.items()
-            ]
-        )
-        self.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+        outputs = [
+            pb_utils.Tensor(name, value.astype(self.output_dtypes[name], copy=False)) for name, value in tensors.items()
+        ]
+        # `outputs` outlives send(): the 24.10 stub prunes unrequested outputs without holding the GIL,
+        # so send() must never drop the last reference to a tensor.
+        self.sender.send(pb_utils.InferenceResponse(output_tensors=outputs),
+                         flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+        del outputs
 
     def send_error(self, message, kind):
-        response = pb_utils.InferenceResponse(error=pb_utils.TritonError(message, error_code(kind)))
+        response = pb_utils.InferenceResponse(error=pb_utils.TritonError(tagged(kind, message), error_code(kind)))
         self.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def is_cancelled(self):
-        return self.cancelled or self.sender.is_cancelled() or self.request.is_cancelled()
+        return self.sender.is_cancelled()
 
 
 class TritonPythonModel:
@@ -83,10 +84,6 @@ class TritonPythonModel:
             channel = TritonChannel(request, self.output_dtypes)
             try:
                 parameters = parse_parameters(request.parameters())
-                if CANCEL_PARAMETER in parameters:  # a control message, not a generation request
-                    self.service.cancel(str(parameters[CANCEL_PARAMETER]))
-                    channel.sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-                    continue
                 self.service.submit(
                     lambda name, request=request: _input_array(request, name),
                     parameters,

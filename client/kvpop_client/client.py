@@ -15,7 +15,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from kvpop_client.errors import KVpopServerError, ResponseValidationError
+from kvpop_client.errors import KVpopServerError, ResponseValidationError, status_from_message
 from kvpop_client.types import Generation, StreamChunk, assemble_stream
 
 SERVICE_MODEL = "kvpop_service"
@@ -102,8 +102,11 @@ class KVpopClient:
             data = np.array([[prompt.encode("utf-8")]], dtype=np.object_)
             inputs = [triton.InferInput("text_input", list(data.shape), "BYTES")]
         else:
-            data = np.asarray(prompt, dtype=np.int64).reshape(1, -1)  # int32 ids are widened to the wire type
-            inputs = [triton.InferInput("input_ids", list(data.shape), "INT64")]
+            data = np.asarray(prompt, dtype=np.int64).reshape(1, -1)
+            if data.size and (data.min() < 0 or data.max() > np.iinfo(np.int32).max):
+                raise ValueError("token ids must be in [0, 2**31)")
+            data = data.astype(np.int32)  # the wire type, as in the TensorRT-LLM backend
+            inputs = [triton.InferInput("input_ids", list(data.shape), "INT32")]
         inputs[0].set_data_from_numpy(data)
         if stop:
             stop_data = np.array([[item.encode("utf-8") for item in stop]], dtype=np.object_)
@@ -170,8 +173,8 @@ class KVpopClient:
             chunks: list[StreamChunk] = []
             while True:
                 result, error = responses.get(timeout=self.timeout)
-                if error is not None:
-                    raise KVpopServerError(error.message(), error.status())
+                if error is not None:  # in-stream errors carry no gRPC status: the message's tag names it
+                    raise KVpopServerError(error.message(), error.status() or status_from_message(error.message()))
                 response = result.get_response()
                 is_final = response.parameters["triton_final_response"].bool_param
                 if not response.outputs:  # the empty final response that closes the stream
@@ -213,7 +216,7 @@ class KVpopClient:
                     continue
                 event = json.loads(line[len("data:"):])
                 if "error" in event:
-                    raise KVpopServerError(event["error"])
+                    raise KVpopServerError(event["error"], status_from_message(event["error"]))
                 ids = event.get("output_ids", [])
                 event["output_ids"] = np.array(ids if isinstance(ids, list) else [ids], dtype=np.int64)
                 event["text_output"] = np.array([event.get("text_output", "").encode()], dtype=np.object_)

@@ -14,7 +14,7 @@ CONFIG ?= auto
 PID_FILE := run/tritonserver.pid
 
 .PHONY: help setup model export serve serve-bg stop test test-unit test-e2e clean reference-model eval-reference \
-	train-scorer tasks eval-sweep kvpress-env eval-kvpress speed speed-quick loadtest \
+	train-scorer eval-real tasks eval-sweep kvpress-env eval-kvpress speed speed-quick loadtest \
 	system-deps image image-lb test-cluster load-time
 
 REFERENCE := models/reference
@@ -97,8 +97,34 @@ eval-reference: setup  ## full-cache and StreamingLLM accuracy of the reference 
 	$(PY) -m kvpop_train.reference.evaluate --model $(REFERENCE) --lengths 512 1024 2048 --num 200 --threads $(THREADS) \
 		--out docs/reference_model
 
+# A real model's scorers are trained on generic English (stdlib docstrings with recall continuations,
+# kvpop_train/scorer/english_texts.py), never on the English benchmark's task families or haystack,
+# with the engine's default window; the reference model's on its own task train split.
+SCORER_TEXTS := build/scorer-texts/english.jsonl
+REAL_KV_WINDOW ?= 64
+IS_REAL_MODEL = $(filter-out $(REFERENCE) $(REFERENCE)/,$(MODEL))
+
 train-scorer: setup  ## train the KVpop scorers (mLSTM + MLP) for MODEL (default: the reference model) into MODEL/scorer
-	$(PY) -m kvpop_train.scorer.train --model $(or $(MODEL),$(REFERENCE)) --window $(KV_WINDOW)
+	$(if $(IS_REAL_MODEL),$(PY) -m kvpop_train.scorer.english_texts --out $(SCORER_TEXTS))
+	$(PY) -m kvpop_train.scorer.train --model $(or $(MODEL),$(REFERENCE)) $(if $(IS_REAL_MODEL),--texts $(SCORER_TEXTS) \
+		--window $(REAL_KV_WINDOW) --traces build/scorer-texts/traces-$(notdir $(MODEL:/=)).pt --threads $(THREADS),--window $(KV_WINDOW))
+
+# English long-context benchmark (benchmarks/english_tasks.py) on the exported model (`make export`):
+# every policy x compression per context length, contains-scoring, into docs/quality/real/<tokens>/.
+REAL_TASK_LENGTHS ?= 1024 2048 4096
+REAL_TASK_NUM ?= 40
+REAL_TASK_SPLIT ?= test
+REAL_QUALITY_DIR ?= docs/quality/real
+
+eval-real: setup  ## English RULER-like tasks (REAL_TASK_NUM per length, REAL_TASK_LENGTHS) x every policy on the exported model: docs/quality/real/
+	@test -f model_repository/kvpop_engine/1/model_spec.json || { echo "no exported model: run 'make export' first"; exit 1; }
+	@for tokens in $(REAL_TASK_LENGTHS); do \
+		tasks=build/real-tasks/$(REAL_TASK_SPLIT)-$$tokens.jsonl; \
+		$(PY) -m benchmarks.english_tasks write --model $(or $(MODEL),$(REAL_MODEL)) --split $(REAL_TASK_SPLIT) \
+			--context-tokens $$tokens --num $(REAL_TASK_NUM) --out $$tasks && \
+		$(PY) -m kvpop.eval --model model_repository/kvpop_engine/1 --tasks $$tasks --sweep --scoring contains \
+			--max-tokens 32 --window $(REAL_KV_WINDOW) --out-dir $(REAL_QUALITY_DIR)/$$tokens || exit 1; \
+	done
 
 tasks: setup  ## write 200 reference tasks of TASK_SPLIT (default heldout) at TASK_TOKENS (default 2048) to build/tasks/
 	$(PY) -m kvpop.tasks write --split $(TASK_SPLIT) --num 200 --context-tokens $(TASK_TOKENS) $(if $(TASK_FACTS),--num-facts $(TASK_FACTS)) --out $(TASKS_FILE)

@@ -9,7 +9,8 @@ sweep runs every policy (kvpop with its attention-based scorer) plus `kvpop:<kin
 scorer exported with the model (stateful `mlstm`, stateless `mlp`), so they are compared side by side.
 
 Scoring: `final_answer` (default) is the project tasks' exact match of the word after "#";
-`contains` counts an answer found anywhere in the generated text (for arbitrary JSONL).
+`contains` counts an answer found anywhere in the generated text (for arbitrary JSONL; a list answer
+needs all of its items).
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ def load_tasks(path: Path, limit: int | None = None) -> list[dict]:
 
 
 def scorer(name: str) -> Callable[[str, str], bool]:
-    if name == "contains":
-        return lambda generated, answer: str(answer).strip() in generated
+    if name == "contains":  # a list answer (several values asked for) needs every one of them
+        return lambda generated, answer: all(
+            str(item).strip() in generated for item in (answer if isinstance(answer, list) else [answer])
+        )
     from kvpop.tasks import exact_match
 
     return lambda generated, answer: exact_match(generated, str(answer))

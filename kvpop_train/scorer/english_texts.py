@@ -1,0 +1,102 @@
+"""Generic English training texts for the learned scorer of a real model (SmolLM2 and the like).
+
+    python -m kvpop_train.scorer.english_texts --out build/scorer-texts/english.jsonl [--num 192]
+
+Contexts are the docstrings of CPython's standard library modules (every module, class and function
+docstring of a module, in source order), read with `ast` from the interpreter's own files: English
+prose about many topics, identical on every machine. `pydoc_data` is left out: it is the haystack of
+the English benchmark (benchmarks/english_tasks.py), and none of the benchmark's task families
+(pass keys, magic numbers, variable chains, generated people) appear here.
+
+Each context is continued by generic recall questions about sentences spread over it ("Which sentence
+above mentions X?" answered by quoting it), so a token's future attention reflects content that is
+read back later, not the position of a question known in advance. Records are
+{"context", "continuations"}, the format `python -m kvpop_train.scorer.train --texts` reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import random
+import re
+import sys
+import sysconfig
+from pathlib import Path
+
+EXCLUDED = ("pydoc_data", "test", "idlelib", "lib2to3", "tkinter", "turtledemo", "ensurepip", "site-packages")
+
+
+def stdlib_docstrings() -> dict[str, list[str]]:
+    """Module name -> its docstrings, in source order (only modules with enough prose)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    modules: dict[str, list[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root)
+        if any(part in EXCLUDED for part in relative.parts):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, OSError):
+            continue
+        docstrings = []
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                text = ast.get_docstring(node)
+                if text and len(text.split()) >= 12:
+                    docstrings.append(" ".join(text.split()))
+        if sum(len(text) for text in docstrings) >= 2000:
+            modules[".".join(relative.with_suffix("").parts)] = docstrings
+    return modules
+
+
+def recall_questions(context: str, rng: random.Random, count: int) -> list[str]:
+    sentences = [s for s in re.split(r"(?<=[.!?])\s+", context) if 6 <= len(s.split()) <= 40]
+    picked = sorted(rng.sample(range(len(sentences)), min(count, len(sentences))))
+    questions = []
+    for index in picked:
+        words = [w.strip(".,;:()'\"") for w in sentences[index].split()]
+        words = [w for w in words if len(w) >= 6 and w.isalpha()]
+        if words:
+            questions.append(f"\n\nQuestion: Which sentence above mentions \"{rng.choice(words)}\"?\nAnswer: {sentences[index]}")
+    return questions
+
+
+def english_texts(num: int, max_chars: int = 12000, questions: int = 8, seed: int = 0) -> list[dict]:
+    """`num` contexts of up to `max_chars` characters (~3k tokens), each with recall continuations."""
+    rng = random.Random(seed)
+    modules = stdlib_docstrings()
+    names = sorted(modules)
+    rng.shuffle(names)
+    records = []
+    for name in names:
+        context = ""
+        for text in modules[name]:
+            if len(context) + len(text) > max_chars:
+                break
+            context += ("\n\n" if context else "") + text
+        continuations = recall_questions(context, rng, questions)
+        if len(context) >= 2000 and continuations:
+            records.append({"source": f"stdlib:{name}", "context": context, "continuations": continuations})
+        if len(records) == num:
+            break
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvpop_train.scorer.english_texts", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--num", type=int, default=192)
+    parser.add_argument("--max-chars", type=int, default=12000)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    records = english_texts(args.num, args.max_chars, seed=args.seed)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("".join(json.dumps(record) + "\n" for record in records))
+    print(f"wrote {len(records)} contexts ({sum(len(r['context']) for r in records)} characters) to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

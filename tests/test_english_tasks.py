@@ -1,0 +1,69 @@
+"""The English long-context benchmark generator: splits that never overlap, seeded, sized, answerable."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.english_tasks import FAMILIES, SPLITS, _pool, generate_task, haystack_paragraphs, write_tasks
+
+
+def count_words(text: str) -> int:
+    return len(text.split())
+
+
+def test_splits_share_no_haystack_paragraph_and_no_name():
+    paragraphs = haystack_paragraphs()
+    for kind in ("key", "person", "city", "variable"):
+        pools = [set(_pool(kind, split)) for split in SPLITS]
+        assert all(pools) and not (pools[0] & pools[1] or pools[0] & pools[2] or pools[1] & pools[2])
+    sets = [set(paragraphs[split]) for split in SPLITS]
+    assert all(len(s) > 50 for s in sets) and not (sets[0] & sets[1] or sets[0] & sets[2] or sets[1] & sets[2])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_is_seeded_sized_and_holds_its_answer(family):
+    task = generate_task(family, "test", 3, 1024, count_words)
+    assert task == generate_task(family, "test", 3, 1024, count_words)  # seeded
+    assert task != generate_task(family, "test", 4, 1024, count_words)
+    assert 1024 * 0.9 <= count_words(task["content"]) <= 1024 * 1.05
+    answers = task["answer"] if isinstance(task["answer"], list) else [task["answer"]]
+    context, question = task["content"].rsplit("\n\n", 1)
+    assert all(answer in context for answer in answers) and not any(answer in question for answer in answers)
+    test_paragraphs = set(haystack_paragraphs()["test"])
+    body = context.split("\n\n")[1:]
+    assert sum(paragraph in test_paragraphs for paragraph in body) >= len(body) - 10  # the rest are needles
+
+
+def test_the_same_task_differs_between_splits():
+    prompts = {split: generate_task("qa", split, 0, 1024, count_words)["content"] for split in SPLITS}
+    assert len(set(prompts.values())) == 3
+
+
+def test_write_tasks_cycles_through_the_families(tmp_path):
+    records = write_tasks(tmp_path / "tasks.jsonl", "validation", 10, 1024)
+    assert [record["family"] for record in records] == [*FAMILIES, *FAMILIES]
+    lines = [json.loads(line) for line in (tmp_path / "tasks.jsonl").read_text().splitlines()]
+    assert lines == records and all({"prompt", "answer", "split"} <= set(line) for line in lines)
+
+
+def test_contains_scoring_needs_every_answer_of_a_list():
+    from kvpop.eval import scorer
+
+    is_correct = scorer("contains")
+    assert is_correct("The numbers are 111111 and 222222.", ["111111", "222222"])
+    assert not is_correct("The number is 111111.", ["111111", "222222"])
+    assert is_correct("Paris.", "Paris")
+
+
+def test_scorer_training_texts_are_generic_english_outside_the_benchmark():
+    from kvpop_train.scorer.english_texts import english_texts
+
+    records = english_texts(4)
+    assert len(records) == 4 and not any("pydoc_data" in record["source"] for record in records)
+    haystack = {paragraph for split in haystack_paragraphs().values() for paragraph in split}
+    for record in records:
+        assert record["continuations"] and all("Question: Which sentence above mentions" in c for c in record["continuations"])
+        assert not any(paragraph in record["context"] for paragraph in haystack)
+        assert "pass key" not in record["context"] and "special magic number" not in record["context"]

@@ -9,7 +9,8 @@ MODEL ?=
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
-ADDRESS ?= 0.0.0.0
+ADDRESS ?= 127.0.0.1# containers bind 0.0.0.0 (deploy/); the development default stays on loopback
+HEALTH_PORT ?= 8003
 CONFIG ?= auto
 PID_FILE := run/tritonserver.pid
 
@@ -67,17 +68,17 @@ export: setup $(if $(MODEL),,model)  ## export MODEL=<hf dir> (default: SmolLM2-
 
 serve: setup  ## run tritonserver in the foreground (HTTP 8000, gRPC 8001, metrics 8002; Ctrl-C stops)
 	$(PY) -m kvpop.serving.launcher --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
-		--metrics-port $(METRICS_PORT) --address $(ADDRESS) --model-config-name $(CONFIG)
+		--metrics-port $(METRICS_PORT) --health-port $(HEALTH_PORT) --address $(ADDRESS) --model-config-name $(CONFIG)
 
 serve-bg: setup  ## run tritonserver in the background (log in run/tritonserver.log); `make stop` stops it
 	$(PY) -m kvpop.serving.launcher --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
-		--metrics-port $(METRICS_PORT) --address $(ADDRESS) --model-config-name $(CONFIG) \
+		--metrics-port $(METRICS_PORT) --health-port $(HEALTH_PORT) --address $(ADDRESS) --model-config-name $(CONFIG) \
 		--pid-file $(PID_FILE) --log-file run/tritonserver.log
 
-stop:  ## stop a server started with `make serve-bg`
+stop:  ## stop a server started with `make serve-bg` (drains: running requests get the grace period)
 	@if [ -f $(PID_FILE) ]; then \
-		pid=$$(cat $(PID_FILE)); kill -INT $$pid 2>/dev/null && echo "stopping tritonserver $$pid"; \
-		for i in $$(seq 1 30); do kill -0 $$pid 2>/dev/null || break; sleep 0.5; done; \
+		pid=$$(cat $(PID_FILE)); kill -TERM $$pid 2>/dev/null && echo "draining and stopping (supervisor $$pid)"; \
+		for i in $$(seq 1 180); do kill -0 $$pid 2>/dev/null || break; sleep 0.5; done; \
 		kill -9 $$pid 2>/dev/null; rm -f $(PID_FILE); \
 	else echo "no background server ($(PID_FILE) missing)"; fi
 

@@ -207,7 +207,9 @@ class KVpopClient:
         try:
             response = urllib.request.urlopen(request, timeout=self.timeout)
         except urllib.error.HTTPError as error:
-            raise KVpopServerError(_error_message(error.read()), str(error.code)) from None
+            message = _error_message(error.read())
+            # Triton 2.51 answers any error before the first event with 400: the message's tag knows better.
+            raise KVpopServerError(message, status_from_message(message, str(error.code))) from None
         chunks: list[StreamChunk] = []
         with response:  # closing the connection early cancels the request
             for raw in response:
@@ -225,6 +227,7 @@ class KVpopClient:
                 yield chunk
                 if chunk.result is not None:
                     return
+        raise KVpopServerError("the stream ended before its final answer (the server went away)", "UNAVAILABLE")
 
 
 def _chunk(values: dict, previous: list[StreamChunk], max_tokens: int | None) -> StreamChunk:

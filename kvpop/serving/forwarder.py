@@ -139,7 +139,10 @@ class EngineForwarder:
             self._tasks.pop(job.job_id, None)
             with self._lock:
                 self._in_flight -= 1
-        job.on_done(job, answer, error)
+        try:
+            job.on_done(job, answer, error)
+        except Exception as callback_error:  # a bug answering one request must not go unnoticed
+            print(f"[kvpop_service] answering request {job.job_id} failed: {callback_error!r}", flush=True)
 
     async def _generate(self, inputs: dict[str, np.ndarray], parameters: dict) -> dict[str, np.ndarray]:
         import tritonclient.grpc as grpc_client

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -23,6 +24,12 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 NGC_TRITON_HOME = Path("/opt/tritonserver")
+
+
+# Triton APIs only operators may call: the admin key guards them on HTTP and gRPC. Left open:
+# health, metadata, inference and model-config (clients and load balancers need them).
+ADMIN_APIS = ("model-repository", "shared-memory", "logging", "trace", "statistics")
+ADMIN_KEY_HEADER = "kvpop-admin-key"
 
 
 class LauncherError(RuntimeError):
@@ -104,6 +111,8 @@ class TritonServer:
     model_config_name: str | None = "auto"
     log_file: Path | None = None
     extra_args: list[str] = field(default_factory=list)
+    admin_key: str | None = None  # guards Triton's admin APIs (header kvpop-admin-key); None: unguarded
+    extra_env: dict[str, str] = field(default_factory=dict)
     process: subprocess.Popen | None = None
 
     @property
@@ -139,6 +148,9 @@ class TritonServer:
         ]
         if config_name:
             command.append(f"--model-config-name={config_name}")
+        if self.admin_key:
+            restricted = f"{','.join(ADMIN_APIS)}:{ADMIN_KEY_HEADER}={self.admin_key}"
+            command += [f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}"]
         return command + list(self.extra_args)
 
     def environment(self, installation: TritonInstallation) -> dict[str, str]:
@@ -149,6 +161,7 @@ class TritonServer:
         env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, library_path))
         # kvpop_service reaches the engine through this server's own gRPC endpoint.
         env["KVPOP_ENGINE_GRPC_URL"] = self.grpc_url
+        env.update(self.extra_env)
         return env
 
     def start(self) -> "TritonServer":
@@ -185,6 +198,7 @@ class TritonServer:
 
     def stop(self, timeout: float = 30.0) -> None:
         if self.process is None or self.process.poll() is not None:
+            self.kill_leftovers()
             return
         self.process.send_signal(signal.SIGINT)
         try:
@@ -192,6 +206,17 @@ class TritonServer:
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
+        self.kill_leftovers()
+
+    def kill_leftovers(self) -> None:
+        """SIGKILL what is left of the server's process group: a stub orphaned by a crashed server
+        ignores SIGTERM and would hold its shared memory forever."""
+        if self.process is None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def __enter__(self) -> "TritonServer":
         self.start()
@@ -206,15 +231,64 @@ class TritonServer:
         self.stop()
 
 
+def admin_key(explicit: str | None, key_file: Path) -> str:
+    """The operator's key (flag or KVPOP_ADMIN_KEY), else a random one written to `key_file` (0600):
+    Triton's admin APIs are never open by default."""
+    key = explicit or os.environ.get("KVPOP_ADMIN_KEY")
+    if key:
+        return key
+    key = secrets.token_urlsafe(24)
+    key_file.parent.mkdir(parents=True, exist_ok=True)
+    key_file.touch(mode=0o600)
+    key_file.write_text(key + "\n")
+    print(f"[serve] admin APIs guarded by a random key in {key_file} (set KVPOP_ADMIN_KEY to choose it)", flush=True)
+    return key
+
+
+def detach(argv: list[str], pid_file: Path, log_file: Path, health_url: str, timeout: float = 300.0) -> int:
+    """Run the supervisor in the background (its pid in pid_file) and wait until it reports ready."""
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_file.with_name("launcher.log"), "ab") as output:
+        child = subprocess.Popen([sys.executable, "-m", "kvpop.serving.launcher", *argv], stdout=output,
+                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    pid_file.parent.mkdir(parents=True, exist_ok=True)
+    pid_file.write_text(f"{child.pid}\n")
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if child.poll() is not None:
+            print(f"[serve] the server did not start (see {log_file.with_name('launcher.log')})", file=sys.stderr)
+            return 1
+        try:
+            with urllib.request.urlopen(health_url, timeout=2) as response:
+                if response.status == 200:
+                    print(f"[serve] running in the background (supervisor pid {child.pid}); stop it with `make stop`")
+                    return 0
+        except OSError:
+            pass
+        time.sleep(0.5)
+    print(f"[serve] not ready after {timeout:.0f} s (see {log_file})", file=sys.stderr)
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvpop.serving.launcher", description="Run tritonserver.")
+    from kvpop.serving.supervisor import Supervisor, install_signal_handlers
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m kvpop.serving.launcher",
+                                     description="Run and supervise tritonserver on the model repository.")
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
-    parser.add_argument("--address", default="0.0.0.0")
+    parser.add_argument("--health-port", type=int, default=8003, help="the supervisor's /ready and /live (0: off)")
+    parser.add_argument("--address", default="127.0.0.1", help="bind address (containers pass 0.0.0.0)")
     parser.add_argument("--model-config-name", default="auto", help="auto: two-GPU config.pbtxt, single_gpu or cpu")
-    parser.add_argument("--pid-file", type=Path, help="run in the background and write the server's pid here")
+    parser.add_argument("--grace-seconds", type=float, default=float(os.environ.get("KVPOP_GRACE_SECONDS", "30")),
+                        help="on SIGTERM, how long running requests may take to finish (KVPOP_GRACE_SECONDS)")
+    parser.add_argument("--admin-key", default=None,
+                        help="key for Triton's admin APIs, sent as header kvpop-admin-key (KVPOP_ADMIN_KEY; "
+                             "default: a random key written beside the log)")
+    parser.add_argument("--pid-file", type=Path, help="run in the background; the supervisor's pid goes here")
     parser.add_argument("--log-file", type=Path)
     parser.add_argument("--prepare-only", action="store_true", help="only install the Python backend stub")
     args = parser.parse_args(argv)
@@ -225,43 +299,30 @@ def main(argv: list[str] | None = None) -> int:
     if not any(Path(args.model_repository).glob("*/1/model_spec.json")):
         print("no exported model in the model repository: run `make export` first", file=sys.stderr)
         return 1
+    run_dir = (args.log_file or Path("run/tritonserver.log")).parent
+    if args.pid_file:
+        host = "127.0.0.1" if args.address in ("0.0.0.0", "127.0.0.1") else args.address
+        foreground = list(argv)
+        if "--pid-file" in foreground:  # "--pid-file PATH"
+            index = foreground.index("--pid-file")
+            del foreground[index:index + 2]
+        foreground = [arg for arg in foreground if not arg.startswith("--pid-file=")]
+        return detach(foreground, args.pid_file, args.log_file or run_dir / "tritonserver.log",
+                      f"http://{host}:{args.health_port}/ready")
     server = TritonServer(
         args.model_repository, args.http_port, args.grpc_port, args.metrics_port, args.address,
         None if args.model_config_name in ("", "default") else args.model_config_name, args.log_file,
+        admin_key=admin_key(args.admin_key, run_dir / "admin-key"),
     )
     gpus = count_gpus()
     config = choose_model_config(gpus) if server.model_config_name == "auto" else server.model_config_name
     print(f"[serve] {gpus} GPU(s) visible: model config {config or 'config.pbtxt'}", flush=True)
-    server.start()
-    try:
-        server.wait_ready()
-    except (LauncherError, KeyboardInterrupt) as error:
-        server.stop()
-        print(f"[serve] {error}", file=sys.stderr)
-        return 1
-    print(
-        f"[serve] READY  HTTP http://{server.http_url}/v2/models/kvpop_service/infer  "
-        f"gRPC {server.grpc_url}  metrics {server.metrics_url}",
-        flush=True,
-    )
-    if args.pid_file:
-        args.pid_file.parent.mkdir(parents=True, exist_ok=True)
-        args.pid_file.write_text(f"{server.process.pid}\n")
-        print(f"[serve] running in the background (pid {server.process.pid}); stop it with `make stop`")
-        return 0
-    print("[serve] Ctrl-C to stop", flush=True)
-    stopping = []
-    # Ctrl-C, `kill` and `docker stop` all stop the server gracefully (in-flight requests may finish);
-    # installed explicitly because a shell may start us with SIGINT ignored.
-    for signal_number in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signal_number, lambda number, frame: stopping.append(number))
-    while server.process.poll() is None and not stopping:
-        time.sleep(0.5)
-    if stopping:
-        print("\n[serve] stopping", flush=True)
-    server.stop()
-    return server.process.returncode or 0
+    supervisor = Supervisor(server, health_port=args.health_port or None, grace_seconds=args.grace_seconds)
+    install_signal_handlers(supervisor)
+    return supervisor.run()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from kvpop.serving.launcher import main as package_main  # one LauncherError class, not a __main__ copy
+
+    sys.exit(package_main())

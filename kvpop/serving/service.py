@@ -19,6 +19,7 @@ from kvpop.policies import POLICIES
 from kvpop.scorer import LEARNED_SCORER_KINDS, learned_scorer
 from kvpop.serving.admission import AdmissionPolicy, KVPoolAdmission
 from kvpop.serving.config import ServiceConfig
+from kvpop.serving.drain import DrainSignal
 from kvpop.serving.request import InvalidRequestError, parse_request
 from kvpop.serving.worker import EngineWorker, ResponseChannel
 
@@ -62,7 +63,7 @@ class KVpopService:
         admission = KVPoolAdmission(
             AdmissionPolicy(config.kv_pool_mb * 2**20, config.min_kv_budget, config.max_queue_size), self.decoder.spec
         )
-        self.worker = EngineWorker(self._new_engine, self.tokenizer, admission, metrics).start()
+        self.worker = EngineWorker(self._new_engine, self.tokenizer, admission, metrics, drain=DrainSignal()).start()
         self._ids = itertools.count()
 
     def _new_engine(self) -> Engine:

@@ -19,6 +19,7 @@ import numpy as np
 from kvpop.engine import NO_TOKEN, Engine, GenerationResult, TokenEvent
 from kvpop.serving.admission import Admission, KVPoolAdmission, OverloadedError
 from kvpop.serving.detokenizer import IncrementalDetokenizer
+from kvpop.serving.drain import DrainSignal
 from kvpop.serving.metrics import NullMetrics
 from kvpop.serving.request import InvalidRequestError, ParsedRequest
 
@@ -83,6 +84,7 @@ class EngineWorker:
         admission: KVPoolAdmission,
         metrics=None,
         idle_wait: float = 0.05,
+        drain: DrainSignal | None = None,
     ) -> None:
         self._engine_factory = engine_factory
         self.engine = engine_factory()
@@ -90,6 +92,7 @@ class EngineWorker:
         self.admission = admission
         self.metrics = metrics or NullMetrics()
         self._idle_wait = idle_wait
+        self.drain = drain or DrainSignal(None)
         self._condition = threading.Condition()
         # Guarded by _condition: requests waiting for KV memory (FIFO), admitted ones not yet started,
         # and the admission bookkeeping itself (Triton threads admit in `submit`).
@@ -113,6 +116,8 @@ class EngineWorker:
     def submit(self, parsed: ParsedRequest, channel: ResponseChannel) -> None:
         """Admit a request now if the KV pool has room, else queue it. Raises OverloadedError when the
         queue is full, InvalidRequestError if it can never fit this instance's KV pool."""
+        if self.drain.draining:
+            raise OverloadedError("the server is shutting down; retry on another replica")
         if not self.admission.fits_when_idle(parsed.generation):
             raise InvalidRequestError(
                 f"request needs {self.admission.slots_needed(parsed.generation)} KV slots per head, more "
@@ -141,49 +146,63 @@ class EngineWorker:
 
     # -- the worker thread -------------------------------------------------------------------------
     def _run(self) -> None:
-        while True:
-            with self._condition:
-                while not self._stopping and not self._queue and not self._ready and not self._active:
-                    self._condition.wait()
-                if self._stopping:
-                    break
-                admitted = self._ready + self._admit_locked()
-                self._ready = []
-            for active in admitted:
-                self._start(active)
-            self._apply_cancellations()
-            try:
-                events = self.engine.step()
-            except Exception as error:  # never take the server down: fail the running requests
-                self._fail_all(f"engine step failed: {type(error).__name__}: {error}")
-                continue
-            for event in events:
-                try:
-                    self._dispatch(event)
-                except Exception as error:  # a bug answering one request must not stop the others
-                    if event.request_id in self._active:
-                        self.engine.cancel(event.request_id)
-                        self._finish_with_error(event.request_id, f"internal error: {error}", "internal")
-            in_use = self.engine.kv_bytes_in_use
-            with self._condition:
-                self.admission.observe_engine(in_use)
-                reserved, queued = self.admission.reserved_bytes, len(self._queue)
-            self.metrics.observe_step(
-                batch_size=sum(1 for event in events if event.token_id != NO_TOKEN),  # sequences that got a token
-                kv_bytes_in_use=in_use,
-                kv_bytes_reserved=reserved,
-                active=len(self._active),
-                queued=queued,
-            )
-            if not events:
-                time.sleep(self._idle_wait)  # only requests waiting for KV memory: nothing to compute
+        while self._wait_for_work():
+            self._step()
         self._shut_down()
+
+    def _wait_for_work(self) -> bool:
+        """Block until there is something to do; False once stopping. Holds no request while it
+        waits: a decoupled model cannot unload while a response sender is still referenced."""
+        with self._condition:
+            while not self._stopping and not self._queue and not self._ready and not self._active:
+                self._condition.wait()
+            return not self._stopping
+
+    def _step(self) -> None:
+        with self._condition:
+            admitted = self._ready + self._admit_locked()
+            self._ready = []
+        for active in admitted:
+            self._start(active)
+        if self.drain.deadline_passed() and (self._active or self._queue):
+            self._give_up_on_everything("the server is shutting down and its grace period is over; retry")
+        self._apply_cancellations()
+        try:
+            events = self.engine.step()
+        except Exception as error:  # never take the server down: fail the running requests
+            self._fail_all(f"engine step failed: {type(error).__name__}: {error}")
+            return
+        for event in events:
+            try:
+                self._dispatch(event)
+            except Exception as error:  # a bug answering one request must not stop the others
+                if event.request_id in self._active:
+                    self.engine.cancel(event.request_id)
+                    self._finish_with_error(event.request_id, f"internal error: {error}", "internal")
+        in_use = self.engine.kv_bytes_in_use
+        with self._condition:
+            self.admission.observe_engine(in_use)
+            reserved, queued = self.admission.reserved_bytes, len(self._queue)
+        self.metrics.observe_step(
+            batch_size=sum(1 for event in events if event.token_id != NO_TOKEN),  # sequences that got a token
+            kv_bytes_in_use=in_use,
+            kv_bytes_reserved=reserved,
+            active=len(self._active),
+            queued=queued,
+        )
+        if not events:
+            time.sleep(self._idle_wait)  # only requests waiting for KV memory: nothing to compute
 
     def _shut_down(self) -> None:
         """Answer everything still held, so no client waits on a model that is gone."""
-        message = "the model is shutting down; retry on another instance"
+        self._give_up_on_everything("the model is shutting down; retry on another instance")
+
+    def _give_up_on_everything(self, message: str) -> None:
+        """Fail every queued and running request as UNAVAILABLE (retryable) and free its slots."""
         with self._condition:
             waiting = [pending.channel for pending in self._queue] + [active.pending.channel for active in self._ready]
+            for active in self._ready:
+                self.admission.release(active.admission.request.request_id)
             self._queue.clear()
             self._ready = []
         for channel in waiting:
@@ -192,7 +211,8 @@ class EngineWorker:
             except Exception:
                 pass
         for request_id in list(self._active):
-            self._finish_with_error(request_id, message, "internal")
+            self.engine.cancel(request_id)
+            self._finish_with_error(request_id, message, "overloaded")
 
     def _admit_locked(self) -> list[_Active]:
         """Move queue-head requests that fit the KV pool into the engine (FIFO: no overtaking)."""
@@ -245,7 +265,9 @@ class EngineWorker:
 
     def _dispatch(self, event: TokenEvent) -> None:
         active = self._active.get(event.request_id)
-        if active is None:
+        if active is None:  # failed or given up already: only its result is left to release
+            if event.finished:
+                self.engine.result(event.request_id)
             return
         now = time.perf_counter()
         parsed = active.pending.parsed

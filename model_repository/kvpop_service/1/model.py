@@ -54,6 +54,14 @@ class TritonPythonModel:
             tensor["name"]: pb_utils.triton_string_to_numpy(tensor["data_type"]) for tensor in model_config["output"]
         }
         self.in_flight = {}  # job id -> the client's request, while the engine works on it
+        # The family must outlive its metric (the stub refuses, and the server may crash, otherwise).
+        self.in_flight_family = pb_utils.MetricFamily(
+            name="kvpop_frontend_in_flight_requests",
+            description="requests kvpop_service is waiting on the engine for (its queue is the engine's)",
+            kind=pb_utils.MetricFamily.GAUGE,
+        )
+        self.in_flight_gauge = self.in_flight_family.Metric(
+            labels={"model": args["model_name"], "instance": args["model_instance_name"]})
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self.watcher = threading.Thread(target=self._watch_cancellations, name="kvpop-cancel-watch", daemon=True)
@@ -73,6 +81,7 @@ class TritonPythonModel:
                 job = ForwardJob(prompts, parameters, on_done=self._answer, context=held)
                 with self.lock:  # registered before it can finish: _answer removes it
                     self.in_flight[self.forwarder.submit(job)] = held
+                    self.in_flight_gauge.set(len(self.in_flight))
             except InvalidRequestError as error:
                 self._send_error(sender, "invalid", str(error))
             except Exception as error:  # overloaded front end, or a bug: this request fails alone
@@ -84,6 +93,7 @@ class TritonPythonModel:
         held = job.context
         with self.lock:
             self.in_flight.pop(job.job_id, None)
+            self.in_flight_gauge.set(len(self.in_flight))
         with held.lock:  # from here on the watcher never asks this request is_cancelled()
             held.answered = True
         if error is not None:

@@ -1,0 +1,241 @@
+"""The supervisor `make serve` and the container run: keeps one tritonserver honest and alive.
+
+Triton 2.51 neither restarts a Python backend stub that died nor reports it: its health endpoints
+keep answering 200 while every request to the dead stub hangs. So the supervisor
+- watches the server's stub processes and, when one dies (or the server exits), restarts the server
+  at once: the dropped connections give in-flight requests an immediate error, and the model is
+  back within its load time;
+- serves the truthful health endpoints on its own port: `/ready` is 200 only while the server is
+  ready AND every stub it started is alive AND it is not draining; `/live` while this loop runs;
+- on SIGTERM (or Ctrl-C) drains: readiness goes false, the engine refuses new work as UNAVAILABLE
+  (kvpop.serving.drain), running generations finish within the grace period or get a clear error,
+  then the server stops, leftover stubs and their /dev/shm regions are removed, and it exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import psutil
+
+from kvpop.serving.drain import DRAIN_FILE_ENV, DrainSignal
+from kvpop.serving.launcher import LauncherError, TritonServer
+
+STUB_BINARY = "triton_python_backend_stub"
+SHM_DIR = Path("/dev/shm")
+# Gauges that say whether any request is still being served (summed over instances).
+BUSY_GAUGES = ("kvpop_active_sequences", "kvpop_queued_sequences", "kvpop_frontend_in_flight_requests")
+
+
+@dataclass(frozen=True)
+class StubProcess:
+    pid: int
+    model: str  # e.g. kvpop_engine (from the stub's model.py path)
+    shm_region: str  # its shared-memory region name in /dev/shm
+
+    @classmethod
+    def from_process(cls, process: psutil.Process) -> "StubProcess | None":
+        try:
+            command = process.cmdline()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return None
+        if not command or not command[0].endswith(STUB_BINARY) or len(command) < 3:
+            return None
+        return cls(process.pid, Path(command[1]).parent.parent.name, command[2])
+
+    def is_alive(self) -> bool:
+        try:
+            return psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+
+def stub_processes(server_pid: int) -> list[StubProcess]:
+    try:
+        children = psutil.Process(server_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    return [stub for stub in map(StubProcess.from_process, children) if stub is not None]
+
+
+def remove_shm_regions(regions: list[str]) -> None:
+    """Remove a dead server's Python-backend shared-memory regions (a crashed stub leaves them)."""
+    for region in regions:
+        for path in SHM_DIR.glob(f"{region}*"):
+            path.unlink(missing_ok=True)
+
+
+def busy_requests(metrics_url: str) -> float | None:
+    """Requests still held by the models, from the metrics port (None when it cannot be read)."""
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=2) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    total = 0.0
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in BUSY_GAUGES:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+class Supervisor:
+    """Runs `server` until SIGTERM/SIGINT; restarts it when it or one of its stubs dies."""
+
+    def __init__(self, server: TritonServer, health_port: int | None = 8003, grace_seconds: float = 30.0,
+                 poll_seconds: float = 0.5, max_restarts: int = 10, drain_file: Path | None = None) -> None:
+        self.server, self.health_port = server, health_port
+        self.grace_seconds, self.poll_seconds, self.max_restarts = grace_seconds, poll_seconds, max_restarts
+        drain_file = drain_file or Path(server.log_file or "run/tritonserver.log").with_name(
+            f"drain-{server.http_port}.flag")
+        drain_file.parent.mkdir(parents=True, exist_ok=True)
+        self.drain = DrainSignal(drain_file)
+        self.drain.clear()
+        server.extra_env[DRAIN_FILE_ENV] = str(drain_file)
+        self.state = "starting"  # starting | ready | restarting | draining | stopped
+        self.restarts: list[dict] = []  # what died and how long the recovery took
+        self.stubs: list[StubProcess] = []
+        self._stop_requested = threading.Event()
+        self._heartbeat = time.monotonic()
+        self._health: ThreadingHTTPServer | None = None
+
+    # -- health endpoints ------------------------------------------------------------------------
+    def status(self) -> dict:
+        return {"state": self.state, "ready": self.is_ready(), "stubs": [stub.__dict__ for stub in self.stubs],
+                "restarts": self.restarts[-5:]}
+
+    def is_ready(self) -> bool:
+        return (self.state == "ready" and all(stub.is_alive() for stub in self.stubs)
+                and self.server.process is not None and self.server.process.poll() is None)
+
+    def is_live(self) -> bool:
+        return time.monotonic() - self._heartbeat < max(10.0, 20 * self.poll_seconds)
+
+    def _serve_health(self) -> None:
+        supervisor = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's name)
+                if self.path.startswith("/ready"):
+                    ok = supervisor.is_ready()
+                elif self.path.startswith("/live"):
+                    ok = supervisor.is_live()
+                else:
+                    self.send_error(404)
+                    return
+                body = json.dumps(supervisor.status()).encode()
+                self.send_response(200 if ok else 503)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):  # probes every few seconds: keep the log for events
+                pass
+
+        self._health = ThreadingHTTPServer((self.server.address, self.health_port), Handler)
+        threading.Thread(target=self._health.serve_forever, name="kvpop-health", daemon=True).start()
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def request_stop(self, *_: object) -> None:
+        self._stop_requested.set()
+
+    def run(self) -> int:
+        if self.health_port:
+            self._serve_health()
+        try:
+            self._start_server()
+        except LauncherError as error:
+            self._log(f"{error}")
+            self._stop_server()
+            return 1
+        self._log(f"READY  HTTP http://{self.server.http_url}/v2/models/kvpop_service/infer  gRPC {self.server.grpc_url}"
+                  f"  metrics {self.server.metrics_url}"
+                  + (f"  health http://{self.server.http_url.rsplit(':', 1)[0]}:{self.health_port}/ready"
+                     if self.health_port else ""))
+        while not self._stop_requested.wait(self.poll_seconds):
+            self._heartbeat = time.monotonic()
+            reason = self._failure()
+            if reason is None:
+                continue
+            if len(self.restarts) >= self.max_restarts:
+                self._log(f"{reason}; {len(self.restarts)} restarts already: giving up (exit 1)")
+                self._stop_server()
+                return 1
+            self._restart(reason)
+        self._drain_and_stop()
+        return 0
+
+    def _failure(self) -> str | None:
+        process = self.server.process
+        if process is None or process.poll() is not None:
+            return f"tritonserver exited with code {None if process is None else process.returncode}"
+        dead = [stub for stub in self.stubs if not stub.is_alive()]
+        if dead:
+            return "Python backend stub died: " + ", ".join(f"{stub.model} (pid {stub.pid})" for stub in dead)
+        return None
+
+    def _start_server(self) -> None:
+        self.state = "starting"
+        self.server.start()
+        self.server.wait_ready()
+        # Stubs start while models load: once the server is ready every one of them exists.
+        self.stubs = stub_processes(self.server.process.pid)
+        self.state = "ready"
+
+    def _restart(self, reason: str) -> None:
+        started = time.monotonic()
+        self.state = "restarting"
+        self._log(f"{reason}: restarting tritonserver")
+        self._stop_server(force=True)
+        try:
+            self._start_server()
+        except LauncherError as error:
+            self._log(f"restart failed: {error}")
+            self.restarts.append({"reason": reason, "recovered": False})
+            return
+        seconds = round(time.monotonic() - started, 1)
+        self.restarts.append({"reason": reason, "recovered": True, "seconds": seconds})
+        self._log(f"recovered in {seconds} s")
+
+    def _drain_and_stop(self) -> None:
+        self.state = "draining"
+        self._log(f"draining: new requests are refused, running ones have {self.grace_seconds:.0f} s")
+        self.drain.start(self.grace_seconds)
+        deadline = time.monotonic() + self.grace_seconds + 5  # the engine fails leftovers at the deadline
+        while time.monotonic() < deadline and self.server.process.poll() is None:
+            busy = busy_requests(self.server.metrics_url)
+            if busy == 0:
+                break
+            time.sleep(0.25)
+        self._stop_server()
+        self.drain.clear()
+        self.state = "stopped"
+        self._log("stopped")
+
+    def _stop_server(self, force: bool = False) -> None:
+        """Stop the server, then kill whatever of its process group is left and clean /dev/shm."""
+        regions = [stub.shm_region for stub in self.stubs]
+        if self.server.process is not None:
+            self.server.stop(timeout=2 if force else 30)
+            self.server.kill_leftovers()
+        remove_shm_regions(regions)
+        self.stubs = []
+
+    def _log(self, message: str) -> None:
+        print(f"[serve] {message}", flush=True)
+
+
+def install_signal_handlers(supervisor: Supervisor) -> None:
+    # Ctrl-C, `kill`, `docker stop` and Kubernetes all drain; installed explicitly because a shell
+    # may start us with SIGINT ignored.
+    for signal_number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signal_number, supervisor.request_stop)

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 import numpy as np
 
 
+MAX_TEMPERATURE = 100.0  # beyond this sampling is uniform noise; also refuses inf and nan
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy (argmax)
@@ -22,8 +25,8 @@ class SamplingParams:
     ignore_eos: bool = False  # keep going past EOS (benchmarks that need a fixed length)
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

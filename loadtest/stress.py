@@ -49,7 +49,7 @@ def classify(error: KVpopClientError) -> tuple[bool, str]:
     """(expected, label): overload rejections are expected under saturation, anything else is lost."""
     status = getattr(error, "status", None)
     label = f"{status}: {str(error)[:80]}"
-    return status in ("UNAVAILABLE", "503", "429", "RESOURCE_EXHAUSTED"), label
+    return str(status).removeprefix("StatusCode.") in ("UNAVAILABLE", "503", "429", "RESOURCE_EXHAUSTED"), label
 
 
 def run_stress(

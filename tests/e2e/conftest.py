@@ -22,6 +22,11 @@ def build_model_repository(root: Path, exported_model: Path, engine_parameters: 
     """The committed models (configs and model.py files) with the exported model in kvpop_engine/1."""
     shutil.copytree(MODEL_REPOSITORY, root, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
     version = root / "kvpop_engine" / "1"
+    # Leave out what `make export` wrote into the checkout (e.g. SmolLM2's tokenizer/chat_template.jinja
+    # would otherwise survive the merge below and give the tiny model SmolLM2's chat template).
+    for exported in version.iterdir():
+        if exported.name != "model.py":
+            shutil.rmtree(exported) if exported.is_dir() else exported.unlink()
     shutil.copytree(exported_model, version, dirs_exist_ok=True)
     for config in [root / "kvpop_engine" / "config.pbtxt", *(root / "kvpop_engine" / "configs").glob("*.pbtxt")]:
         text = config.read_text()
@@ -59,6 +64,7 @@ def triton_server(tmp_path_factory, tiny_onnx_model_dir):
         address="127.0.0.1",
         model_config_name="cpu",
         log_file=log_file,
+        admin_key="e2e-admin-key",
     )
     try:
         with server:

@@ -44,7 +44,12 @@ BAD_REQUESTS = {
     "budget with full": ([GOOD_TEXT, ("kv_budget", [[16]], "INT32")], "full"),
     "wrong dtype": ([GOOD_TEXT, ("max_tokens", [[4.0]], "FP32")], "max_tokens"),
     "wrong shape": ([GOOD_TEXT, ("max_tokens", [[4, 5]], "INT32")], "max_tokens"),
+    "infinite temperature": ([GOOD_TEXT, ("temperature", [[np.inf]], "FP32")], "temperature"),
+    "nan top_p": ([GOOD_TEXT, ("top_p", [[np.nan]], "FP32")], "top_p"),
+    "wrong ids dtype": ([("input_ids", [[1, 2]], "INT64")], "input_ids"),
 }
+# What each transport reports for a client mistake (never 500 / INTERNAL).
+INVALID = {"http": "400", "grpc": "StatusCode.INVALID_ARGUMENT"}
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
@@ -54,8 +59,9 @@ def test_bad_request_gets_a_clear_error(triton_server, protocol, case):
     url = triton_server.http_url if protocol == "http" else triton_server.grpc_url
     inputs, message = BAD_REQUESTS[case]
     with module.InferenceServerClient(url) as client:
-        with pytest.raises(module.InferenceServerException, match=f"(?i){message}"):
+        with pytest.raises(module.InferenceServerException, match=f"(?i){message}") as raised:
             client.infer(MODEL, [tensor(module, *item) for item in inputs])
+        assert raised.value.status() == INVALID[protocol], raised.value
         assert client.is_server_live() and client.is_model_ready(MODEL)
 
 

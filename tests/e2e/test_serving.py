@@ -109,19 +109,21 @@ def test_overload_is_rejected_clearly_and_queued_requests_complete(triton_server
     rejected_before = metrics("kvpop_rejected_requests_total", reason="overloaded")
     outcomes = []
 
-    def big_request():
-        with KVpopClient(triton_server.http_url, "http") as client:  # HTTP clients are per thread
+    def big_request(protocol):  # through kvpop_service: its queue is the engine's, nothing hides
+        url = triton_server.http_url if protocol == "http" else triton_server.grpc_url
+        with KVpopClient(url, protocol) as client:  # HTTP clients are per thread
             try:
                 outcomes.append(client.generate(LONG_PROMPT, max_tokens=1000))
             except KVpopServerError as error:
                 outcomes.append(error)
 
-    threads = [threading.Thread(target=big_request) for _ in range(6)]
+    threads = [threading.Thread(target=big_request, args=(("http", "grpc")[index % 2],)) for index in range(6)]
     for thread in threads:
         thread.start()
     assert wait_for(lambda: len(outcomes) >= 4)  # 2 wait in the queue (max_queue_size 2), 4 are refused
     refused = [outcome for outcome in outcomes if isinstance(outcome, KVpopServerError)]
     assert len(refused) == 4 and all("overloaded" in str(error) for error in refused)
+    assert {error.status for error in refused} <= {"503", "StatusCode.UNAVAILABLE"}  # retryable, never 500
     assert metrics("kvpop_queued_sequences") == 2
     stream.close()  # frees the pool: the queued requests now run to completion
     for thread in threads:

@@ -64,6 +64,7 @@ def triton_server(tmp_path_factory, tiny_onnx_model_dir):
         address="127.0.0.1",
         model_config_name="cpu",
         log_file=log_file,
+        admin_key="e2e-admin-key",
     )
     try:
         with server:

@@ -16,7 +16,7 @@ PID_FILE := run/tritonserver.pid
 
 .PHONY: help setup model export serve serve-bg stop test test-unit test-e2e clean reference-model eval-reference \
 	train-scorer eval-real tasks eval-sweep kvpress-env eval-kvpress speed speed-quick loadtest \
-	system-deps image image-lb test-cluster load-time
+	system-deps image image-lb test-cluster load-time test-faults test-fuzz stress soak
 
 REFERENCE := models/reference
 # The default served model: SmolLM2-135M-Instruct, built by `make model` (not by setup: tests never need it).
@@ -90,6 +90,21 @@ test-unit: setup  ## unit tests only
 
 test-e2e: setup  ## end-to-end tests only (real tritonserver, tritonclient HTTP and gRPC)
 	$(PY) -m pytest -q -m server
+
+test-faults: setup  ## stubs killed with SIGKILL and SIGTERM under load, against the real supervisor (~1.5 min)
+	$(PY) -m pytest -q -m faults tests/e2e/test_faults.py
+
+FUZZ_EXAMPLES ?= 2000
+test-fuzz: setup  ## the property-based request fuzzer against the real server, FUZZ_EXAMPLES requests
+	HYPOTHESIS_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -m fuzz tests/e2e/test_fuzz.py
+
+STRESS_ARGS ?= --requests 1000 --concurrency 8 --policy kvpop --compression-ratio 0.88 --prompt-tokens 2048 --max-tokens 32
+stress: setup  ## closed-loop stress of a running server (make serve-bg first): STRESS_ARGS, result in run/stress.json
+	$(PY) -m loadtest.stress --url $(HOST):$(HTTP_PORT) --log run/tritonserver.log --out run/stress.json $(STRESS_ARGS)
+
+SOAK_MINUTES ?= 10
+soak: setup  ## SOAK_MINUTES of mixed streaming/complete load at saturation on the exported model: docs/reliability/soak.json
+	$(PY) -m loadtest.soak --minutes $(SOAK_MINUTES) --out docs/reliability/soak.json
 
 reference-model: setup  ## train the shipped reference model (resumes models/reference/checkpoint; hours on a CPU)
 	$(PY) -m kvpop_train.reference.train --out $(REFERENCE) --threads $(THREADS)

@@ -1,0 +1,145 @@
+"""Faults an operator meets, against the real supervisor (`python -m kvpop.serving.launcher`, what
+`make serve` and the container run): a Python backend stub killed with SIGKILL, and SIGTERM under load."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from kvpop.serving.launcher import free_port
+from kvpop_client import KVpopClient, KVpopServerError
+
+from e2e.conftest import TEST_ENGINE_PARAMETERS, build_model_repository
+
+pytestmark = [pytest.mark.server, pytest.mark.faults]
+PROMPT = "Let a = 7. What is a?"
+
+
+class Supervised:
+    """The launcher as a child process on free loopback ports."""
+
+    def __init__(self, root: Path, grace_seconds: float = 30) -> None:
+        self.ports = {name: free_port() for name in ("http", "grpc", "metrics", "health")}
+        self.log = root / "launcher.log"
+        command = [sys.executable, "-m", "kvpop.serving.launcher", f"--model-repository={root / 'models'}",
+                   "--model-config-name=cpu", "--address=127.0.0.1", f"--grace-seconds={grace_seconds}",
+                   f"--log-file={root / 'tritonserver.log'}", *(f"--{name}-port={port}" for name, port in self.ports.items())]
+        self.process = subprocess.Popen(command, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT,
+                                        env={**os.environ, "KVPOP_ADMIN_KEY": "faults"}, start_new_session=True)
+        assert self.wait_ready(180), self.log.read_text()[-3000:]
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.ports['http']}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.ports['grpc']}"
+
+    def health(self, path: str = "ready") -> tuple[int | None, dict]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.ports['health']}/{path}", timeout=2) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
+        except OSError:
+            return None, {}
+
+    def wait_ready(self, timeout: float) -> bool:
+        deadline = time.time() + timeout
+        while time.time() < deadline and self.process.poll() is None:
+            if self.health()[0] == 200:
+                return True
+            time.sleep(0.2)
+        return False
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def supervised(tmp_path, tiny_onnx_model_dir):
+    build_model_repository(tmp_path / "models", tiny_onnx_model_dir,
+                           {**TEST_ENGINE_PARAMETERS, "max_queue_size": "64", "kv_pool_mb": "64"})
+    server = Supervised(tmp_path, grace_seconds=30)
+    yield server
+    server.stop()
+
+
+def generate(url: str, protocol: str, index: int, max_tokens: int) -> str:
+    """'ok' or the error a client saw; streams and complete answers alternate."""
+    try:
+        with KVpopClient(url, protocol, timeout=120) as client:
+            if index % 3 == 0:
+                chunks = list(client.stream(PROMPT, max_tokens=max_tokens, ignore_eos=True))
+                assert chunks[-1].result.num_output_tokens == max_tokens
+            else:
+                assert client.generate(PROMPT, max_tokens=max_tokens, ignore_eos=True).num_output_tokens == max_tokens
+        return "ok"
+    except KVpopServerError as error:
+        return f"error {error.status}"
+    except Exception as error:  # a dropped connection is an error too, never a hang
+        return f"error {type(error).__name__}"
+
+
+def in_flight(server: Supervised, pool: ThreadPoolExecutor, count: int, max_tokens: int):
+    urls = {"http": server.http_url, "grpc": server.grpc_url}
+    return [pool.submit(generate, urls[protocol], protocol, index, max_tokens)
+            for index, protocol in ((index, ("http", "grpc")[index % 2]) for index in range(count))]
+
+
+@pytest.mark.parametrize("victim", ["kvpop_engine", "kvpop_service"])
+def test_a_killed_stub_is_noticed_in_flight_requests_fail_at_once_and_the_service_comes_back(supervised, victim):
+    _, status = supervised.health("live")
+    stub = next(stub for stub in status["stubs"] if stub["model"] == victim)
+    with ThreadPoolExecutor(12) as pool:
+        futures = in_flight(supervised, pool, 12, max_tokens=60_000)  # would run for a minute
+        time.sleep(2)
+        killed_at = time.time()
+        os.kill(stub["pid"], signal.SIGKILL)
+        outcomes = [future.result(timeout=30) for future in futures]  # none hangs
+    assert all(outcome.startswith("error") for outcome in outcomes), outcomes
+    assert time.time() - killed_at < 30
+    assert supervised.wait_ready(60), supervised.log.read_text()[-3000:]
+    _, status = supervised.health()
+    assert status["restarts"][-1]["recovered"] and victim in status["restarts"][-1]["reason"]
+    assert stub["pid"] not in [new["pid"] for new in status["stubs"]]
+    with KVpopClient(supervised.http_url, "http") as client:
+        assert client.generate(PROMPT, max_tokens=4).num_output_tokens == 4
+
+
+def test_sigterm_drains_in_flight_work_refuses_new_work_and_exits_cleanly(supervised):
+    _, status = supervised.health("live")
+    regions = [stub["shm_region"] for stub in status["stubs"]]
+    with ThreadPoolExecutor(16) as pool:
+        futures = in_flight(supervised, pool, 12, max_tokens=1500)  # a few seconds each
+        time.sleep(1.0)
+        supervised.process.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert supervised.health()[0] == 503  # readiness goes false at once
+        late = [pool.submit(generate, url, protocol, 1, 4)
+                for url, protocol in ((supervised.http_url, "http"), (supervised.grpc_url, "grpc"))]
+        outcomes = [future.result(timeout=60) for future in futures]
+        late_outcomes = [future.result(timeout=60) for future in late]
+    assert outcomes == ["ok"] * 12  # nothing in flight is lost
+    assert late_outcomes == ["error 503", "error StatusCode.UNAVAILABLE"]  # retryable refusals
+    assert supervised.process.wait(60) == 0
+    leftovers = subprocess.run(["pgrep", "-f", "triton_python_backend_stub"], capture_output=True, text=True).stdout
+    assert not [region for region in regions if any(Path("/dev/shm").glob(f"{region}*"))]
+    for pid in leftovers.split():
+        assert not any(region in Path(f"/proc/{pid}/cmdline").read_text(errors="ignore") for region in regions)

@@ -32,7 +32,9 @@ TASK_TOKENS ?= 2048
 TASK_FACTS ?=# facts per benchmark task; empty: the default density (one per 12 tokens, at most 48)
 TASKS_FILE ?= build/tasks/$(TASK_SPLIT)-$(TASK_TOKENS)$(if $(TASK_FACTS),-facts$(TASK_FACTS)).jsonl
 QUALITY_DIR ?= docs/quality
-EVAL_MODEL ?= model_repository/kvpop_engine/1# the exported model the sweep runs (make export)
+# The exported model the sweep runs: the reference tasks need a reference export
+# (make export MODEL=models/reference, or python -m export --model models/reference --output DIR).
+EVAL_MODEL ?= model_repository/kvpop_engine/1
 # Protected recent window of kvpop/h2o on the reference model: its chain of thought reads back at
 # most ~12 tokens, and a 64-token window would leave no long-range slots at 88% of a 512-token task.
 KV_WINDOW ?= 16

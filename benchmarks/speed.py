@@ -135,9 +135,10 @@ class SnapshotEngine(Engine):
         super().__init__(*args, **kwargs)
         self.snapshot = snapshot
 
-    def _prefill(self, request: GenerationRequest) -> _Sequence:
+    def _new_sequence(self, request: GenerationRequest) -> _Sequence:
         cache, logits = self.snapshot
         sequence = _Sequence(request=request, cache=copy.deepcopy(cache), sampler=Sampler(request.sampling))
+        sequence.prefilled = len(request.prompt_ids)
         sequence.pending_token = sequence.sampler(logits)
         return sequence
 

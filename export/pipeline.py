@@ -56,6 +56,7 @@ def export_model(model_dir: Path, output_dir: Path) -> dict:
     from export.onnx_export import export_decoder_step
     from export.parity import check_parity
     from export.slot_writer import export_slot_writer
+    from export.step_variants import check_variants, variant_paths, write_step_variants
     from kvpop.decoder import DecoderStep
 
     model_dir, output_dir = Path(model_dir), Path(output_dir)
@@ -80,9 +81,11 @@ def export_model(model_dir: Path, output_dir: Path) -> dict:
 
     stage(f"exporting {architecture} ({spec.num_layers} layers, {spec.num_kv_heads} KV heads) to ONNX")
     output_dir.mkdir(parents=True, exist_ok=True)
-    for stale in (output_dir / spec.decoder_file, output_dir / (spec.decoder_file + ".data")):
+    decoder_path = output_dir / spec.decoder_file
+    for stale in (decoder_path, output_dir / (spec.decoder_file + ".data"), *variant_paths(decoder_path).values()):
         stale.unlink(missing_ok=True)
-    export_decoder_step(causal_lm, output_dir / spec.decoder_file)
+    export_decoder_step(causal_lm, decoder_path)
+    write_step_variants(decoder_path)  # last-position logits, with and without attention (the engine's)
     export_slot_writer(output_dir, spec.dtype)  # keeps the batch's cache on the GPU between steps
 
     stage("writing tokenizer and model spec")
@@ -98,6 +101,7 @@ def export_model(model_dir: Path, output_dir: Path) -> dict:
         "architecture": architecture,
         "model_spec": json.loads((output_dir / "model_spec.json").read_text()),
         "parity": parity.as_dict(),
+        "step_variants_max_abs_diff": check_variants(decoder_path),
         "sliding_window": sliding_window,
         "torch": torch.__version__,
     }
@@ -108,6 +112,8 @@ def export_model(model_dir: Path, output_dir: Path) -> dict:
         f"{parity.logit_scale:.1f} (tolerance {parity.tolerance:.0e}); greedy token agrees at "
         f"{parity.top1_agreement:.0%} of positions"
     )
+    if report["step_variants_max_abs_diff"] > 1e-5:
+        raise ExportError(f"the lean step variants differ from the exported step: {report['step_variants_max_abs_diff']:.2e}")
     if not parity.passed:
         raise ExportError(f"parity check failed: {parity.as_dict()} (report in {output_dir / REPORT_FILENAME})")
 

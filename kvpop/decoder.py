@@ -12,14 +12,22 @@ import onnxruntime as ort
 from kvpop.cache.device_store import SLOT_WRITER_FILE, DeviceKVStore
 from kvpop.model_spec import ModelSpec
 
+# Where export writes the lean step variants (export/step_variants.py; kept in sync with it).
+LEAN_SUFFIX, ATTENTION_SUFFIX = ".last.onnx", ".last_attention.onnx"
+
+
+def variant_paths(decoder_path: Path) -> dict[str, Path]:
+    stem = str(Path(decoder_path).with_suffix(""))
+    return {"lean": Path(stem + LEAN_SUFFIX), "attention": Path(stem + ATTENTION_SUFFIX)}
+
 
 @dataclass
 class StepOutput:
-    logits: np.ndarray  # (B, T, V)
+    logits: np.ndarray  # (B, T, V); (B, 1, V) from a last-position step
     new_key: np.ndarray  # (L, B, Hkv, T, D), RoPE applied
     new_value: np.ndarray  # (L, B, Hkv, T, D)
-    attention: np.ndarray  # (L, B, Hq, T, S): what the new queries put on the cached slots
-    chunk_attention: np.ndarray  # (L, B, Hq, T, T): what they put on each other (causal)
+    attention: np.ndarray | None = None  # (L, B, Hq, T, S): what the new queries put on the cached slots
+    chunk_attention: np.ndarray | None = None  # (L, B, Hq, T, T): what they put on each other (causal)
 
 
 def execution_providers(device: str, device_id: int = 0) -> list:
@@ -31,6 +39,10 @@ def execution_providers(device: str, device_id: int = 0) -> list:
 
 class DecoderStep:
     """One forward step over an explicit slot cache (see export/decoder_step.py for the contract).
+
+    `run(..., last_only=True, attention=False)` takes the lean variants export wrote beside the step
+    (export/step_variants.py: last-position logits; attention only when asked), the serving hot path.
+    An export without them falls back to the full step (same values, more work).
 
     `resident`: keep the batch pool's cache in the decoder's device memory between steps (IO binding,
     kvpop.cache.device_store). Default: on when the CUDA provider runs the step; "cpu" works too.
@@ -55,12 +67,26 @@ class DecoderStep:
         self.session = ort.InferenceSession(
             str(self.model_dir / self.spec.decoder_file), sess_options=options, providers=providers
         )
+        # (last_only, attention) -> session; the full step answers whatever has no variant.
+        self._sessions = {(False, True): self.session}
+        variants = variant_paths(self.model_dir / self.spec.decoder_file)
+        for key, kind in (((True, False), "lean"), ((True, True), "attention")):
+            if variants[kind].exists():
+                self._sessions[key] = ort.InferenceSession(str(variants[kind]), sess_options=options, providers=providers)
         self.dtype = np.dtype(self.spec.dtype)
         on_cuda = "CUDAExecutionProvider" in self.session.get_providers()
         self.device_store: DeviceKVStore | None = None
         if resident or (resident is None and on_cuda and (self.model_dir / SLOT_WRITER_FILE).exists()):
             self.device_store = DeviceKVStore(self.model_dir, "cuda" if on_cuda else "cpu", device_id, providers)
-        self._output_names = [output.name for output in self.session.get_outputs()]
+
+    @property
+    def has_lean_variants(self) -> bool:
+        return len(self._sessions) == 3
+
+    def _session(self, last_only: bool, attention: bool) -> ort.InferenceSession:
+        if (last_only, attention) in self._sessions:
+            return self._sessions[(last_only, attention)]
+        return self._sessions.get((True, True), self.session) if last_only else self.session
 
     def empty_cache(self, batch: int = 1, slots: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Zeroed (past_key, past_value, slot_mask) for `batch` sequences of `slots` slots."""
@@ -74,8 +100,13 @@ class DecoderStep:
         past_key: np.ndarray,  # (L, B, Hkv, S, D)
         past_value: np.ndarray,  # (L, B, Hkv, S, D)
         slot_mask: np.ndarray,  # (B, S) bool
+        last_only: bool = False,
+        attention: bool = True,
     ) -> StepOutput:
-        outputs = self.session.run(
+        """`last_only`: logits of the last new position only (B, 1, V); `attention`: False allows a
+        step that returns no attention (None), for policies that never read it."""
+        session = self._session(last_only, attention)
+        outputs = session.run(
             None,
             {
                 "input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
@@ -85,20 +116,36 @@ class DecoderStep:
                 "slot_mask": np.ascontiguousarray(slot_mask, dtype=bool),
             },
         )
-        return StepOutput(*outputs)
+        return self._output(session, outputs, last_only)
 
-    def run_pool(self, input_ids: np.ndarray, position_ids: np.ndarray, pool, slot_mask: np.ndarray) -> StepOutput:
+    @staticmethod
+    def _output(session: ort.InferenceSession, outputs: list[np.ndarray], last_only: bool) -> StepOutput:
+        named = dict(zip((output.name for output in session.get_outputs()), outputs))
+        if last_only and named["logits"].shape[1] != 1:
+            named["logits"] = named["logits"][:, -1:]
+        return StepOutput(**named)
+
+    def run_pool(
+        self,
+        input_ids: np.ndarray,
+        position_ids: np.ndarray,
+        pool,
+        slot_mask: np.ndarray,
+        last_only: bool = False,
+        attention: bool = True,
+    ) -> StepOutput:
         """A step over the batch pool's cache: on the device copy when resident, else the host arrays."""
         if self.device_store is None:
-            return self.run(input_ids, position_ids, pool.key, pool.value, slot_mask)
+            return self.run(input_ids, position_ids, pool.key, pool.value, slot_mask, last_only, attention)
+        session = self._session(last_only, attention)
         key, value = self.device_store.sync(pool)
-        binding = self.session.io_binding()
+        binding = session.io_binding()
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         binding.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))
         binding.bind_ortvalue_input("past_key", key)
         binding.bind_ortvalue_input("past_value", value)
         binding.bind_cpu_input("slot_mask", np.ascontiguousarray(slot_mask, dtype=bool))
-        for name in self._output_names:  # small: logits, the new tokens' k/v, attention rows
-            binding.bind_output(name, "cpu")
-        self.session.run_with_iobinding(binding)
-        return StepOutput(*binding.copy_outputs_to_cpu())
+        for output in session.get_outputs():  # small: logits, the new tokens' k/v, attention rows
+            binding.bind_output(output.name, "cpu")
+        session.run_with_iobinding(binding)
+        return self._output(session, binding.copy_outputs_to_cpu(), last_only)

@@ -1,11 +1,17 @@
 """The generation loop: in-flight batching of sequences, each with its own fixed-budget slot cache.
 
 Every `step` (one driving thread): apply cancellations, admit waiting requests up to
-`max_batch_size` and prefill them (chunked, evicting as they go, so peak memory stays bounded by
-budget + chunk), then run ONE batched decode step over every sequence that was already running.
-Sequences of different lengths and budgets share the step through the batch pool (padded slots are
-masked). `add_request` and `cancel` may be called from other threads: they only touch the queue
-under the engine's lock; everything else belongs to the thread calling `step`.
+`max_batch_size`, run ONE batched decode step over every sequence whose prompt is in, then feed
+prompt chunks of the admitted ones under a per-step token budget (`max_step_tokens`), as vLLM's
+scheduler interleaves chunked prefill with decode: a long new prompt no longer stalls the running
+streams for its whole prefill, only for one chunk per step. Chunks of several prompts that have the
+same length run as one batched call. A prompt's chunk size is fixed by the request alone
+(`prefill_chunk`, at most its budget, evicting between chunks so peak memory stays bounded by
+budget + chunk), so outputs never depend on what else is running. Sequences of different lengths
+and budgets share the decode step through the batch pool (padded slots are masked). The decoder
+step returns last-position logits only, and attention only when a policy in the call reads it.
+`add_request` and `cancel` may be called from other threads: they only touch the queue under the
+engine's lock; everything else belongs to the thread calling `step`.
 """
 
 from __future__ import annotations
@@ -139,6 +145,12 @@ class _Sequence:
     pending_token: int = NO_TOKEN  # sampled, not yet fed to the model
     finish_reason: str | None = None
     matched_stop: str | None = None
+    prefilled: int = 0  # prompt tokens fed to the model so far
+    chunk_size: int = 1  # prompt tokens per prefill call
+
+    @property
+    def prompt_left(self) -> int:
+        return len(self.request.prompt_ids) - self.prefilled
 
 
 def load_learned_scorers(model_dir: Path) -> dict[str, TokenScorer]:
@@ -156,21 +168,30 @@ class Engine:
         max_batch_size: int = 8,
         prefill_chunk: int = 256,
         learned_scorers: dict[str, TokenScorer] | None = None,
+        max_step_tokens: int | None = None,
     ) -> None:
-        if max_batch_size < 1 or prefill_chunk < 1:
-            raise ValueError(f"max_batch_size and prefill_chunk must be >= 1, got {max_batch_size}, {prefill_chunk}")
+        """`max_step_tokens`: prompt tokens fed per step (at least one chunk; default one
+        `prefill_chunk`): the longest a running stream waits for prefill work between two tokens."""
+        max_step_tokens = prefill_chunk if max_step_tokens is None else max_step_tokens
+        if max_batch_size < 1 or prefill_chunk < 1 or max_step_tokens < 1:
+            raise ValueError(
+                f"max_batch_size, prefill_chunk and max_step_tokens must be >= 1, got {max_batch_size}, "
+                f"{prefill_chunk}, {max_step_tokens}"
+            )
         self.decoder = decoder
         self.spec = decoder.spec
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.prefill_chunk = prefill_chunk
+        self.max_step_tokens = max_step_tokens
         self.learned_scorers = learned_scorers or {}  # kind -> scorer shared by this engine's sequences
         self._lock = threading.Lock()  # guards _waiting, _cancelled, _finished, _request_ids
         self._waiting: deque[GenerationRequest] = deque()
         self._cancelled: set[str] = set()
         self._finished: dict[str, GenerationResult] = {}
         self._request_ids: set[str] = set()  # every id not yet released by `result`
-        self._running: dict[str, _Sequence] = {}  # step thread only
+        self._running: dict[str, _Sequence] = {}  # step thread only: prompt in, decoding
+        self._prefilling: dict[str, _Sequence] = {}  # step thread only: admitted, prompt partly fed (FIFO)
         self._pool = BatchSlotPool(self.spec)
 
     @classmethod
@@ -214,7 +235,7 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         with self._lock:
-            return bool(self._waiting or self._running)
+            return bool(self._waiting or self._running or self._prefilling)
 
     def result(self, request_id: str) -> GenerationResult:
         """The finished request's result; releases it (and its id)."""
@@ -227,13 +248,14 @@ class Engine:
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        """Admitted sequences: decoding, or with their prompt being fed."""
+        return len(self._running) + len(self._prefilling)
 
     @property
     def kv_bytes_in_use(self) -> int:
         """Key/value bytes held now: the batch pool plus caches outside it (being prefilled)."""
-        running = list(self._running.values())
-        outside = sum(seq.cache.nbytes for seq in running if seq.cache.storage_owner is not self._pool)
+        held = [*self._running.values(), *self._prefilling.values()]
+        outside = sum(seq.cache.nbytes for seq in held if seq.cache.storage_owner is not self._pool)
         return self._pool.nbytes + outside
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
@@ -248,45 +270,98 @@ class Engine:
         return [self.result(request.request_id) for request in requests]
 
     def step(self) -> list[TokenEvent]:
-        """Prefill newly admitted requests, then one batched decode step of the others."""
+        """One batched decode step of the running sequences, then prompt chunks of admitted ones."""
         with self._lock:
             cancelled, self._cancelled = self._cancelled, set()
             events = [self._finish_waiting(request) for request in self._waiting if request.request_id in cancelled]
             self._waiting = deque(request for request in self._waiting if request.request_id not in cancelled)
-            admitted = [self._waiting.popleft() for _ in range(min(len(self._waiting), self.max_batch_size - len(self._running)))]
-        for request_id in cancelled & self._running.keys():
-            sequence = self._running[request_id]
+            room = self.max_batch_size - self.num_running
+            admitted = [self._waiting.popleft() for _ in range(min(len(self._waiting), room))]
+        for request_id in cancelled & (self._running.keys() | self._prefilling.keys()):
+            sequence = self._running.get(request_id) or self._prefilling[request_id]
             events.append(self._finish(sequence, FINISH_CANCELLED, NO_TOKEN))
-        decoding = list(self._running.values())
         for request in admitted:
-            sequence = self._prefill(request)
-            self._running[request.request_id] = sequence
-            events.append(self._accept(sequence, sequence.pending_token))
+            sequence = self._new_sequence(request)
+            if sequence.prompt_left:
+                self._prefilling[request.request_id] = sequence
+            else:  # restored already prefilled (benchmarks/speed.py's snapshots)
+                self._running[request.request_id] = sequence
+                events.append(self._accept(sequence, sequence.pending_token))
+        decoding = list(self._running.values())
         if decoding:
             events.extend(self._decode(decoding))
+        events.extend(self._prefill_step())
         if not self._running:
             self._pool.release()
         return events
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _prefill(self, request: GenerationRequest) -> _Sequence:
-        """Feed the prompt in chunks (evicting between chunks, so memory stays bounded); sample token 1."""
-        prompt = np.asarray(request.prompt_ids, dtype=np.int64)
-        budget = request.cache.resolve_budget(len(prompt), request.sampling.max_tokens)
+    def _new_sequence(self, request: GenerationRequest) -> _Sequence:
+        """An admitted request's sequence with its (empty) cache; its prompt is fed by `_prefill_step`."""
+        prompt_tokens = len(request.prompt_ids)
+        budget = request.cache.resolve_budget(prompt_tokens, request.sampling.max_tokens)
         # A bounded cache takes its whole storage now: it never grows after joining the batch pool,
         # so its memory is exactly what admission reserved (never more than the tokens it will see).
-        reserved = 0 if budget is None else min(budget, len(prompt) + request.sampling.max_tokens)
+        reserved = 0 if budget is None else min(budget, prompt_tokens + request.sampling.max_tokens)
         cache = SlotCache(self.spec, request.cache.build_policy(self.learned_scorers), budget, initial_capacity=reserved)
         # A bounded cache takes at most `budget` tokens per chunk, so no query ever sees more than
         # budget cached + budget new tokens (a larger chunk would flatter the policy).
         chunk_size = self.prefill_chunk if budget is None else min(self.prefill_chunk, budget)
-        for start in range(0, len(prompt), chunk_size):
-            chunk = prompt[start : start + chunk_size]
-            positions = np.arange(start, start + len(chunk), dtype=np.int64)
-            out = self.decoder.run(chunk[None], positions[None], cache.key[:, None], cache.value[:, None], cache.slot_mask()[None])
-            self._store(cache, out, row=0)
-        sequence = _Sequence(request=request, cache=cache, sampler=Sampler(request.sampling))
+        return _Sequence(request=request, cache=cache, sampler=Sampler(request.sampling), chunk_size=chunk_size)
+
+    def _prefill_step(self) -> list[TokenEvent]:
+        """Feed the next chunk of the admitted prompts, first come first served, while they fit the
+        step's token budget (at least one chunk); a prompt whose last chunk went in samples token 1."""
+        chunks: dict[int, list[_Sequence]] = {}  # chunk length -> sequences (one batched call each)
+        used = 0
+        for sequence in self._prefilling.values():
+            length = min(sequence.chunk_size, sequence.prompt_left)
+            if used and used + length > self.max_step_tokens:
+                break
+            chunks.setdefault(length, []).append(sequence)
+            used += length
+        events = []
+        for length, sequences in chunks.items():
+            out = self._run_chunk(sequences, length)
+            for row, sequence in enumerate(sequences):
+                sequence.prefilled += length
+                if sequence.prompt_left == 0:
+                    sequence.pending_token = sequence.sampler(out.logits[row, -1])
+                    del self._prefilling[sequence.request.request_id]
+                    self._running[sequence.request.request_id] = sequence
+                    events.append(self._accept(sequence, sequence.pending_token))
+        return events
+
+    def _run_chunk(self, sequences: list[_Sequence], length: int) -> StepOutput:
+        """The next `length` prompt tokens of each sequence through one decoder call; caches updated."""
+        caches = [sequence.cache for sequence in sequences]
+        starts = [sequence.prefilled for sequence in sequences]
+        input_ids = np.array([sequence.request.prompt_ids[start : start + length] for sequence, start in zip(sequences, starts)], np.int64)
+        positions = np.array([np.arange(start, start + length) for start in starts], np.int64)  # (B, T)
+        if len(caches) == 1:  # the cache's own arrays, no copy
+            cache = caches[0]
+            past_key, past_value, slot_mask = cache.key[:, None], cache.value[:, None], cache.slot_mask()[None]
+        else:  # stacked and padded to the largest cache (padding is masked)
+            slots = max(cache.capacity for cache in caches)
+            past_key, past_value, slot_mask = self.decoder.empty_cache(len(caches), slots)
+            for row, cache in enumerate(caches):
+                past_key[:, row, :, : cache.capacity] = cache.key
+                past_value[:, row, :, : cache.capacity] = cache.value
+                slot_mask[row, : cache.capacity] = cache.slot_mask()
+        attention = any(cache.policy.needs_attention for cache in caches)
+        out = self.decoder.run(input_ids, positions, past_key, past_value, slot_mask, last_only=True, attention=attention)
+        for row, cache in enumerate(caches):
+            self._store(cache, out, row)
+        return out
+
+    def _prefill(self, request: GenerationRequest) -> _Sequence:
+        """A request's whole prompt fed alone, chunk by chunk, with token 1 sampled (benchmarks)."""
+        sequence = self._new_sequence(request)
+        while sequence.prompt_left:
+            length = min(sequence.chunk_size, sequence.prompt_left)
+            out = self._run_chunk([sequence], length)
+            sequence.prefilled += length
         sequence.pending_token = sequence.sampler(out.logits[0, -1])
         return sequence
 
@@ -295,7 +370,10 @@ class Engine:
         self._pool.bind(caches)
         input_ids = np.array([[sequence.pending_token] for sequence in sequences], dtype=np.int64)  # (B, 1)
         positions = np.array([[cache.tokens_seen] for cache in caches], dtype=np.int64)  # (B, 1)
-        out = self.decoder.run_pool(input_ids, positions, self._pool, self._pool.slot_mask(caches))
+        attention = any(cache.policy.needs_attention for cache in caches)
+        out = self.decoder.run_pool(
+            input_ids, positions, self._pool, self._pool.slot_mask(caches), last_only=True, attention=attention
+        )
         events = []
         for row, sequence in enumerate(sequences):
             self._store(sequence.cache, out, row)
@@ -304,7 +382,9 @@ class Engine:
 
     @staticmethod
     def _store(cache: SlotCache, out: StepOutput, row: int) -> None:
-        cache.append(out.new_key[:, row], out.new_value[:, row], out.attention[:, row], out.chunk_attention[:, row])
+        attention = None if out.attention is None else out.attention[:, row]
+        chunk_attention = None if out.chunk_attention is None else out.chunk_attention[:, row]
+        cache.append(out.new_key[:, row], out.new_value[:, row], attention, chunk_attention)
 
     def _accept(self, sequence: _Sequence, token: int) -> TokenEvent:
         """Record a sampled token and decide whether the sequence ends with it."""
@@ -331,6 +411,7 @@ class Engine:
     def _finish(self, sequence: _Sequence, reason: str, token: int) -> TokenEvent:
         cache, request = sequence.cache, sequence.request
         self._running.pop(request.request_id, None)
+        self._prefilling.pop(request.request_id, None)
         result = GenerationResult(
             request_id=request.request_id,
             prompt_ids=request.prompt_ids,

@@ -41,8 +41,9 @@ class CacheUpdate:
     positions: np.ndarray  # (T,) int64 original positions of the new tokens
     key: np.ndarray  # (L, Hkv, T, D), RoPE applied
     value: np.ndarray  # (L, Hkv, T, D)
-    attention: np.ndarray  # (L, Hkv, G, T, C): new queries on the cache's C slots (grouped by KV head)
-    chunk_attention: np.ndarray  # (L, Hkv, G, T, T): new queries on the new tokens (causal)
+    # None when the step returned no attention (policies with needs_attention False never read it)
+    attention: np.ndarray | None  # (L, Hkv, G, T, C): new queries on the cache's C slots (grouped by KV head)
+    chunk_attention: np.ndarray | None  # (L, Hkv, G, T, T): new queries on the new tokens (causal)
 
     @property
     def num_tokens(self) -> int:
@@ -157,19 +158,23 @@ class SlotCache:
         self,
         key: np.ndarray,  # (L, Hkv, T, D)
         value: np.ndarray,  # (L, Hkv, T, D)
-        attention: np.ndarray,  # (L, Hq, T, S) with S >= C; slots beyond C are padding
-        chunk_attention: np.ndarray,  # (L, Hq, T, T)
+        attention: np.ndarray | None,  # (L, Hq, T, S) with S >= C; slots beyond C are padding
+        chunk_attention: np.ndarray | None,  # (L, Hq, T, T)
     ) -> None:
         """Store T new tokens, evicting per head with the policy when the budget is exceeded."""
         num_layers, num_kv_heads, new_tokens, _ = key.shape
         group = self.spec.query_heads_per_kv_head
         capacity = self.capacity
+        if attention is None and self.policy.needs_attention:
+            raise ValueError(f"policy {self.policy.name!r} reads attention, but the step returned none")
         update = CacheUpdate(
             positions=np.arange(self.tokens_seen, self.tokens_seen + new_tokens, dtype=np.int64),
             key=key,
             value=value,
-            attention=attention[..., :capacity].reshape(num_layers, num_kv_heads, group, new_tokens, capacity),
-            chunk_attention=chunk_attention.reshape(num_layers, num_kv_heads, group, new_tokens, new_tokens),
+            attention=None if attention is None
+            else attention[..., :capacity].reshape(num_layers, num_kv_heads, group, new_tokens, capacity),
+            chunk_attention=None if chunk_attention is None
+            else chunk_attention.reshape(num_layers, num_kv_heads, group, new_tokens, new_tokens),
         )
         new_statistics = self.policy.observe(self, update)
         self.tokens_seen += new_tokens

@@ -32,6 +32,7 @@ class EvictionPolicy(ABC):
     uses_sinks: ClassVar[bool] = False
     uses_window: ClassVar[bool] = False
     evicts: ClassVar[bool] = True  # False only for the full cache
+    needs_attention: ClassVar[bool] = False  # reads CacheUpdate.attention (the step must return it)
 
     def init_state(self, cache: "SlotCache") -> None:
         """Create per-sequence state in `cache.policy_state` (default: none)."""

@@ -17,6 +17,7 @@ from kvpop.policies.base import EvictionPolicy, accumulate_attention
 class H2OPolicy(EvictionPolicy):
     name = "h2o"
     statistics = ("accumulated_attention",)
+    needs_attention = True
     uses_window = True
     window: int = 64
 

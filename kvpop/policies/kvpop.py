@@ -35,6 +35,10 @@ class KVpopPolicy(EvictionPolicy):
         self._scorer = make_scorer(self.scorer)
 
     @property
+    def needs_attention(self) -> bool:
+        return self._scorer.needs_attention
+
+    @property
     def statistics(self) -> tuple[str, ...]:
         return (SCORE, *self._scorer.statistics)
 

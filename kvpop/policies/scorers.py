@@ -34,6 +34,7 @@ class LeavingTokens:
 class TokenScorer(ABC):
     name: ClassVar[str]
     statistics: ClassVar[tuple[str, ...]] = ()  # per-slot statistics the cache keeps for this scorer
+    needs_attention: ClassVar[bool] = False  # reads the attention the decoder step returns
 
     def init_state(self, cache: "SlotCache") -> Any:
         """Per-sequence state (e.g. recurrent memory per head); stored by the policy in the cache."""
@@ -55,6 +56,7 @@ class AccumulatedAttentionScorer(TokenScorer):
 
     name = "accumulated_attention"
     statistics = ("accumulated_attention",)
+    needs_attention = True
 
     def observe(self, cache, state, update) -> dict[str, np.ndarray]:
         return {"accumulated_attention": accumulate_attention(cache, update, "accumulated_attention")}

@@ -17,6 +17,7 @@ from kvpop.policies.base import EvictionPolicy, group_attention
 class TOVAPolicy(EvictionPolicy):
     name = "tova"
     statistics = ("last_query_attention",)
+    needs_attention = True
 
     def observe(self, cache, update) -> dict[str, np.ndarray]:
         # Only the last new query counts: it is the "current" one when the eviction happens.

@@ -136,6 +136,7 @@ class LearnedScorer(TokenScorer):
     def __init__(self, runtime: ScorerRuntime) -> None:
         self.runtime = runtime
         self.statistics = (self.ATTENTION,) if runtime.spec.attention_feature else ()
+        self.needs_attention = runtime.spec.attention_feature
 
     @classmethod
     def load(cls, directory: Path, kind: str = "mlstm", threads: int | None = None) -> "LearnedScorer":

@@ -1,0 +1,114 @@
+"""The engine's scheduler on the tiny exported model: chunked prefill interleaved with decode under a
+per-step token budget, batched prefill chunks, and the lean decoder-step variants. No timing."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from kvpop.decoder import DecoderStep, variant_paths
+from kvpop.engine import CacheConfig, Engine, GenerationRequest, SamplingParams
+from kvpop.policies import POLICIES
+
+RUNNING_PROMPTS = [[0, 5, 17, 99, 23], [0, 250, 3], [0, 9, 8, 7, 6, 5, 4]]
+rng = np.random.default_rng(7)
+LONG_PROMPT = [0] + [int(token) for token in rng.integers(3, 250, size=95)]  # 96 tokens: 12 chunks of 8
+
+
+@pytest.fixture(scope="module")
+def decoder(tiny_onnx_model_dir) -> DecoderStep:
+    return DecoderStep(tiny_onnx_model_dir, threads=1)
+
+
+def cache_config(policy: str) -> CacheConfig:
+    return CacheConfig(policy=policy, budget=None if policy == "full" else 12, sinks=2, window=4)
+
+
+def request(name: str, prompt: list[int], policy: str, max_tokens: int) -> GenerationRequest:
+    return GenerationRequest(name, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), cache_config(policy))
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_long_prefill_interleaves_with_running_streams(decoder, policy):
+    """A long prompt arriving while three streams decode is fed one chunk per step: every running
+    stream still gets a token at every step, no step feeds more than the token budget, and every
+    output (the running streams' and the long prompt's) equals the output of that request alone."""
+    streams = [request(f"s{i}", prompt, policy, 40) for i, prompt in enumerate(RUNNING_PROMPTS)]
+    long = request("long", LONG_PROMPT, policy, 6)
+    alone = {r.request_id: Engine(decoder, prefill_chunk=8).generate([r])[0].output_ids for r in [*streams, long]}
+
+    engine = Engine(decoder, max_batch_size=4, prefill_chunk=8, max_step_tokens=8)
+    for stream in streams:
+        engine.add_request(stream)
+    for _ in range(3):  # the three streams are decoding
+        engine.step()
+    engine.add_request(long)
+    fed, steps_while_prefilling = [0], 0
+    while engine.has_unfinished():
+        running_before = [s.request_id for s in streams if s.request_id in engine._running]
+        events = engine.step()
+        got_token = {event.request_id for event in events}
+        sequence = engine._prefilling.get("long")
+        if sequence is not None or "long" in got_token and not fed[-1] == len(LONG_PROMPT):
+            prefilled = sequence.prefilled if sequence is not None else len(LONG_PROMPT)
+            assert prefilled - fed[-1] <= 8  # the per-step token budget
+            fed.append(prefilled)
+            steps_while_prefilling += 1
+            assert set(running_before) <= got_token  # no running stream skipped a step
+    assert steps_while_prefilling >= len(LONG_PROMPT) // 8
+    for r in [*streams, long]:
+        assert engine.result(r.request_id).output_ids == alone[r.request_id], r.request_id
+
+
+@pytest.mark.parametrize("policy", ["full", "kvpop", "h2o", "streaming"])
+def test_prefill_chunks_of_several_prompts_are_batched(decoder, policy):
+    """With room for several chunks per step, new prompts' chunks of equal length run as one call
+    (stacked, padded caches) and give the same tokens as each prompt alone."""
+    prompts = [LONG_PROMPT[:40], LONG_PROMPT[10:50], LONG_PROMPT[:27], [0, 4, 5]]
+    batch = [request(f"p{i}", prompt, policy, 10) for i, prompt in enumerate(prompts)]
+    alone = [Engine(decoder, prefill_chunk=8).generate([r])[0].output_ids for r in batch]
+    engine = Engine(decoder, max_batch_size=4, prefill_chunk=8, max_step_tokens=32)
+    calls = []
+    original = engine.decoder.run
+
+    def counting_run(input_ids, *args, **kwargs):
+        calls.append(input_ids.shape)
+        return original(input_ids, *args, **kwargs)
+
+    engine.decoder = type("Counting", (), {"run": staticmethod(counting_run), "run_pool": decoder.run_pool,
+                                           "spec": decoder.spec, "empty_cache": decoder.empty_cache})()
+    assert [r.output_ids for r in engine.generate(batch)] == alone
+    assert any(batch_size > 1 and tokens == 8 for batch_size, tokens in calls)  # a batched prefill call
+
+
+def test_lean_variants_return_only_what_the_policies_read(tiny_onnx_model_dir, decoder, tmp_path):
+    """Export wrote the last-position variants; a step without attention returns none and the same
+    last-position logits and keys; an engine over an export without variants gives the same tokens."""
+    assert decoder.has_lean_variants
+    shape = (decoder.spec.num_layers, 2, decoder.spec.num_kv_heads, 5, decoder.spec.head_dim)
+    rng = np.random.default_rng(0)
+    inputs = (
+        rng.integers(0, 250, (2, 3)), np.tile(np.arange(5, 8), (2, 1)),
+        rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32),
+        np.array([[True] * 5, [True] * 3 + [False] * 2]),
+    )
+    full = decoder.run(*inputs)
+    lean = decoder.run(*inputs, last_only=True, attention=False)
+    with_attention = decoder.run(*inputs, last_only=True, attention=True)
+    assert lean.attention is None and lean.chunk_attention is None
+    assert lean.logits.shape == (2, 1, decoder.spec.vocab_size)
+    np.testing.assert_allclose(lean.logits, full.logits[:, -1:], atol=1e-5)
+    np.testing.assert_allclose(lean.new_key, full.new_key, atol=1e-6)
+    np.testing.assert_allclose(with_attention.attention, full.attention, atol=1e-6)
+
+    plain_dir = tmp_path / "no-variants"
+    shutil.copytree(tiny_onnx_model_dir, plain_dir)
+    for path in variant_paths(plain_dir / decoder.spec.decoder_file).values():
+        path.unlink()
+    plain = DecoderStep(plain_dir, threads=1)
+    assert not plain.has_lean_variants
+    mixed = [request(f"m{i}", prompt, policy, 12) for i, (prompt, policy) in
+             enumerate(zip(RUNNING_PROMPTS * 2, POLICIES))]
+    assert [r.output_ids for r in Engine(plain).generate(mixed)] == [r.output_ids for r in Engine(decoder).generate(mixed)]

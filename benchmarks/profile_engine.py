@@ -55,14 +55,18 @@ def wrap(owner, attribute: str, name: str) -> None:
     setattr(owner, attribute, timed)
 
 
+_CLASSES_WRAPPED = []
+
+
 def instrument(engine: Engine) -> None:
-    """Timers around the parts of a step (class attributes, so every sequence's objects are covered)."""
-    wrap(engine.decoder, "run", "decoder (ONNX run + outputs to host)")
-    wrap(engine.decoder, "run_pool", "decoder (ONNX run + outputs to host)")
-    wrap(slot_cache_module.SlotCache, "append", "cache.append (policy + writes)")
-    wrap(KVpopPolicy, "observe", "  kvpop policy.observe (incl. scorer)")
-    wrap(slot_cache_module.SlotCache, "_write_evicting", "  cache eviction (top-k + overwrite)")
-    wrap(pool_module.BatchSlotPool, "bind", "batch pool bind/repack")
+    """Timers around the parts of a step (class attributes once, so every sequence's objects are covered)."""
+    wrap(engine.decoder, "run", "decoder (ONNX run + outputs to host)")  # run_pool calls run on the CPU
+    if not _CLASSES_WRAPPED:
+        wrap(slot_cache_module.SlotCache, "append", "cache.append (policy + writes)")
+        wrap(KVpopPolicy, "observe", "  kvpop policy.observe (incl. scorer)")
+        wrap(slot_cache_module.SlotCache, "_write_evicting", "  cache eviction (top-k + overwrite)")
+        wrap(pool_module.BatchSlotPool, "bind", "batch pool bind/repack")
+        _CLASSES_WRAPPED.append(True)
     for scorer in engine.learned_scorers.values():
         wrap(scorer.runtime, "step", "    learned scorer ONNX")
 

@@ -18,7 +18,8 @@ class ServiceConfig:
     max_output_tokens: int = 1024  # upper bound for a request's max_tokens
     default_max_tokens: int = 64
     max_running_sequences: int = 16  # sequences decoded together in one engine step (in-flight batch)
-    prefill_chunk_tokens: int = 256  # prompt tokens fed per prefill step
+    prefill_chunk_tokens: int = 256  # prompt tokens per prefill call (a bounded cache: at most its budget)
+    max_step_tokens: int = 0  # prompt tokens fed per engine step beside the decodes (0: one chunk)
     ort_threads: int = 0  # onnxruntime intra-op threads (0: onnxruntime's default)
     kv_pool_mb: int = 1024  # KV memory per instance for all running sequences (admission control)
     min_kv_budget: int = 64  # when the pool is tight, bounded requests may be degraded down to this
@@ -29,8 +30,11 @@ class ServiceConfig:
                      "max_running_sequences", "prefill_chunk_tokens", "kv_pool_mb", "min_kv_budget"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"parameter {name} must be > 0, got {getattr(self, name)}")
-        if self.ort_threads < 0 or self.max_queue_size < 0:
-            raise ValueError(f"parameters ort_threads and max_queue_size must be >= 0, got {self.ort_threads}, {self.max_queue_size}")
+        if self.ort_threads < 0 or self.max_queue_size < 0 or self.max_step_tokens < 0:
+            raise ValueError(
+                f"parameters ort_threads, max_queue_size and max_step_tokens must be >= 0, got {self.ort_threads}, "
+                f"{self.max_queue_size}, {self.max_step_tokens}"
+            )
         if self.min_kv_budget > self.default_kv_budget:
             raise ValueError(f"parameter min_kv_budget ({self.min_kv_budget}) exceeds default_kv_budget ({self.default_kv_budget})")
         if self.default_max_tokens > self.max_output_tokens:

@@ -72,6 +72,7 @@ class KVpopService:
             tokenizer=self.tokenizer,
             max_batch_size=self.config.max_running_sequences,
             prefill_chunk=self.config.prefill_chunk_tokens,
+            max_step_tokens=self.config.max_step_tokens or None,
             learned_scorers=self.learned_scorers,
         )
 

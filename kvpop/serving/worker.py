@@ -74,6 +74,7 @@ class _Active:
     detokenizer: IncrementalDetokenizer
     first_token_at: float | None = None
     cancel_sent: bool = False
+    cancel_checked_at: float = 0.0  # perf_counter of the last is_cancelled() (an IPC round trip in Triton)
 
 
 class EngineWorker:
@@ -85,6 +86,7 @@ class EngineWorker:
         metrics=None,
         idle_wait: float = 0.05,
         drain: DrainSignal | None = None,
+        cancel_check_interval: float = 0.05,
     ) -> None:
         self._engine_factory = engine_factory
         self.engine = engine_factory()
@@ -92,6 +94,9 @@ class EngineWorker:
         self.admission = admission
         self.metrics = metrics or NullMetrics()
         self._idle_wait = idle_wait
+        # is_cancelled() costs a round trip to the Triton parent: ask each request at most this often
+        # (a cancelled request's slots are freed within this interval plus one step).
+        self._cancel_check_interval = cancel_check_interval
         self.drain = drain or DrainSignal(None)
         self._condition = threading.Condition()
         # Guarded by _condition: requests waiting for KV memory (FIFO), admitted ones not yet started,
@@ -258,8 +263,12 @@ class EngineWorker:
         self._active[request.request_id] = active
 
     def _apply_cancellations(self) -> None:
+        now = time.perf_counter()
         for request_id, active in self._active.items():
-            if not active.cancel_sent and active.pending.channel.is_cancelled():
+            if active.cancel_sent or now - active.cancel_checked_at < self._cancel_check_interval:
+                continue
+            active.cancel_checked_at = now
+            if active.pending.channel.is_cancelled():
                 self.engine.cancel(request_id)
                 active.cancel_sent = True
 

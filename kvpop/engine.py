@@ -311,26 +311,32 @@ class Engine:
         return _Sequence(request=request, cache=cache, sampler=Sampler(request.sampling), chunk_size=chunk_size)
 
     def _prefill_step(self) -> list[TokenEvent]:
-        """Feed the next chunk of the admitted prompts, first come first served, while they fit the
-        step's token budget (at least one chunk); a prompt whose last chunk went in samples token 1."""
-        chunks: dict[int, list[_Sequence]] = {}  # chunk length -> sequences (one batched call each)
-        used = 0
-        for sequence in self._prefilling.values():
-            length = min(sequence.chunk_size, sequence.prompt_left)
-            if used and used + length > self.max_step_tokens:
+        """Feed admitted prompts' chunks while they fit the step's token budget (at least one chunk).
+
+        In rounds: each round takes the next chunk of every prompt, first come first served, that
+        still fits; equal-length chunks of a round run as one call. A prompt with small chunks (a
+        small budget) thus takes several of them in one step. A prompt whose last chunk went in
+        samples its first token."""
+        events, used = [], 0
+        while self._prefilling:
+            chunks: dict[int, list[_Sequence]] = {}  # chunk length -> sequences (one batched call each)
+            for sequence in self._prefilling.values():
+                length = min(sequence.chunk_size, sequence.prompt_left)
+                if used and used + length > self.max_step_tokens:
+                    break
+                chunks.setdefault(length, []).append(sequence)
+                used += length
+            if not chunks:
                 break
-            chunks.setdefault(length, []).append(sequence)
-            used += length
-        events = []
-        for length, sequences in chunks.items():
-            out = self._run_chunk(sequences, length)
-            for row, sequence in enumerate(sequences):
-                sequence.prefilled += length
-                if sequence.prompt_left == 0:
-                    sequence.pending_token = sequence.sampler(out.logits[row, -1])
-                    del self._prefilling[sequence.request.request_id]
-                    self._running[sequence.request.request_id] = sequence
-                    events.append(self._accept(sequence, sequence.pending_token))
+            for length, sequences in chunks.items():
+                out = self._run_chunk(sequences, length)
+                for row, sequence in enumerate(sequences):
+                    sequence.prefilled += length
+                    if sequence.prompt_left == 0:
+                        sequence.pending_token = sequence.sampler(out.logits[row, -1])
+                        del self._prefilling[sequence.request.request_id]
+                        self._running[sequence.request.request_id] = sequence
+                        events.append(self._accept(sequence, sequence.pending_token))
         return events
 
     def _run_chunk(self, sequences: list[_Sequence], length: int) -> StepOutput:

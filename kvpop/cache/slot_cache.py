@@ -210,6 +210,18 @@ class SlotCache:
         priority = self.policy.keep_priority(self, candidates)  # (L, Hkv, C + T)
         # Keep the `capacity` highest priorities per head; empty old slots always lose.
         priority = np.where(candidates.valid, priority, -np.inf)
+        if new_tokens == 1:  # a decode step: each head drops one candidate, the new token or an old slot
+            dropped_one = np.argpartition(priority, 0, axis=2)[..., 0]  # (L, Hkv)
+            layer, head = np.nonzero(dropped_one < capacity)  # heads that keep the new token
+            slot = dropped_one[layer, head]
+            self.key[layer, head, slot] = update.key[layer, head, 0]
+            self.value[layer, head, slot] = update.value[layer, head, 0]
+            self._written((layer, head, slot))
+            self.position[layer, head, slot] = update.positions[0]
+            for name, stat in self.statistics.items():
+                stat[layer, head, slot] = new_statistics[name][layer, head, 0]
+            self.length = capacity
+            return
         dropped = np.argpartition(priority, new_tokens - 1, axis=2)[..., :new_tokens]  # (L, Hkv, T)
         keep = np.ones(priority.shape, bool)
         np.put_along_axis(keep, dropped, False, axis=2)

@@ -56,7 +56,10 @@ class KVpopPolicy(EvictionPolicy):
         # Old slots holding leaving tokens (every head holds all of them: they were protected).
         held = (cache.position >= first) & (cache.position < stop)  # (L, Hkv, C)
         old_count = int(held[0, 0].sum())
-        slots = np.argsort(~held, axis=2, kind="stable")[..., :old_count]  # (L, Hkv, M_old)
+        if old_count == 1:  # a decode step: one token leaves
+            slots = held.argmax(axis=2)[..., None]  # (L, Hkv, 1)
+        else:
+            slots = np.argsort(~held, axis=2, kind="stable")[..., :old_count]  # (L, Hkv, M_old)
         # New tokens that leave on arrival (a chunk longer than the window).
         new_tokens = np.flatnonzero((update.positions >= first) & (update.positions < stop))  # (M_new,)
 

@@ -166,6 +166,8 @@ class LearnedScorer(TokenScorer):
         return {self.ATTENTION: np.einsum("lhgts,ts,t->lhs", update.chunk_attention, new, visible)}
 
     def score(self, cache, state: ScorerState, leaving: LeavingTokens) -> np.ndarray:
+        if leaving.positions.shape[2] == 1:  # a decode step: one token leaves, nothing to order
+            return self._consume(state, leaving)
         # Heads hold the leaving tokens in different slot orders: put each head's in position order.
         order = np.argsort(leaving.positions, axis=2, kind="stable")  # (L, Hkv, M)
         sorted_leaving = LeavingTokens(

@@ -15,7 +15,7 @@ CONFIG ?= auto
 PID_FILE := run/tritonserver.pid
 
 .PHONY: help setup model export serve serve-bg stop test test-unit test-e2e clean reference-model eval-reference \
-	train-scorer eval-real tasks eval-sweep kvpress-env eval-kvpress speed speed-quick loadtest \
+	train-scorer eval-real tasks eval-sweep kvpress-env eval-kvpress speed speed-quick bench-service bench-profile loadtest \
 	system-deps image image-lb test-cluster load-time test-faults test-fuzz stress soak
 
 REFERENCE := models/reference
@@ -177,6 +177,21 @@ speed: setup  ## decode speed and memory vs context length, full vs bounded vs H
 
 speed-quick: setup  ## the speed harness on a tiny model, in seconds (plumbing)
 	$(PY) -m benchmarks.speed --quick --out-dir build/speed-quick
+
+# The service benchmark runs the shipped reference model by default (exported into build/, not into
+# model_repository/); BENCH_MODEL=<export dir> BENCH_HF=<its HF dir> runs another (e.g. SmolLM2).
+BENCH_MODEL ?= build/bench/reference
+BENCH_HF ?= $(REFERENCE)
+BENCH_ARGS ?=
+bench-service: setup  ## the real server (full, kvpop at 88%) vs FastAPI + HF generate, workloads (a)-(d): docs/benchmarks/service.*
+	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements/constraints.txt -r requirements/bench.txt
+	@test -f $(BENCH_MODEL)/model_spec.json || $(PY) -m export --model $(BENCH_HF) --output $(BENCH_MODEL)
+	@test -f $(BENCH_MODEL)/decoder_step.last.onnx || $(PY) -m export.step_variants $(BENCH_MODEL)
+	$(PY) -m benchmarks.bench_service --model $(BENCH_MODEL) --hf-model $(BENCH_HF) --out-dir docs/benchmarks $(BENCH_ARGS)
+
+bench-profile: setup  ## where an engine step's milliseconds go, one request and a loaded period: docs/benchmarks/profile_engine_after.*
+	@test -f $(BENCH_MODEL)/model_spec.json || $(PY) -m export --model $(BENCH_HF) --output $(BENCH_MODEL)
+	$(PY) -m benchmarks.profile_engine --model $(BENCH_MODEL) --out docs/benchmarks/profile_engine_after.json
 
 loadtest: setup  ## locust against a running server (make serve-bg first): USERS, DURATION, PROTOCOL=http|grpc
 	@mkdir -p loadtest/results

@@ -32,9 +32,15 @@ RETRYABLE = {"503", "UNAVAILABLE", "StatusCode.UNAVAILABLE"}
 GAUGES = ("kvpop_active_sequences", "kvpop_queued_sequences", "kvpop_frontend_in_flight_requests")
 
 
-def server_rss_mb(server: TritonServer) -> float:
+def server_rss_mb(server: TritonServer) -> dict[str, float]:
+    """RSS of tritonserver and of each model's stub, in MB."""
     process = psutil.Process(server.process.pid)
-    return sum(p.memory_info().rss for p in [process, *process.children(recursive=True)]) / 2**20
+    sizes = {"tritonserver": process.memory_info().rss / 2**20}
+    for child in process.children(recursive=True):
+        command = child.cmdline()
+        name = Path(command[1]).parent.parent.name if len(command) > 1 and "stub" in command[0] else child.name()
+        sizes[name] = sizes.get(name, 0.0) + child.memory_info().rss / 2**20
+    return {name: round(size, 1) for name, size in sizes.items()}
 
 
 def gauge_total(metrics_url: str) -> float:
@@ -73,27 +79,28 @@ def soak(server: TritonServer, seconds: float, users: int, max_tokens: int) -> d
                     outcomes[f"{'stream' if streamed else 'complete'} {label}"] += 1
 
     threads = [threading.Thread(target=user, args=(index,), daemon=True) for index in range(users)]
-    rss = [round(server_rss_mb(server), 1)]
+    rss = [server_rss_mb(server)]
     started = time.time()
     for thread in threads:
         thread.start()
     while any(thread.is_alive() for thread in threads):
         time.sleep(min(30.0, max(0.5, stop_at - time.time() + 1)))
-        rss.append(round(server_rss_mb(server), 1))
+        rss.append(server_rss_mb(server))
         with lock:
             done = sum(outcomes.values())
             lost = sum(count for label, count in outcomes.items() if "lost" in label)
-        print(f"[soak] {time.time() - started:5.0f} s  {done} requests  lost {lost}  server RSS {rss[-1]:.0f} MB", flush=True)
+        print(f"[soak] {time.time() - started:5.0f} s  {done} requests  lost {lost}  RSS MB {rss[-1]}", flush=True)
     for thread in threads:
         thread.join()
     time.sleep(2)
     gauges = gauge_total(server.metrics_url)
     lost = sum(count for label, count in outcomes.items() if "lost" in label)
     # Growth after warm-up (the first sample is before any request: onnxruntime arenas, caches).
-    growth = rss[-1] - rss[min(2, len(rss) - 1)]
+    warm = rss[min(2, len(rss) - 1)]
+    growth = {name: round(size - warm.get(name, 0.0), 1) for name, size in rss[-1].items()}
     return {
         "seconds": round(time.time() - started, 1), "users": users, "requests": sum(outcomes.values()),
-        "outcomes": dict(outcomes), "lost": lost, "rss_mb": rss, "rss_growth_after_warmup_mb": round(growth, 1),
+        "outcomes": dict(outcomes), "lost": lost, "rss_mb": rss, "rss_growth_after_warmup_mb": growth,
         "gauges_after": gauges, "ok": lost == 0 and gauges == 0,
     }
 

@@ -42,16 +42,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 INFER_PATH = "/v2/models/kvpop_service/infer"
 
 
-class ReplicaServer(TritonServer):
-    """A tritonserver whose front end (kvpop_service) reaches its own engine: each replica has its own
-    gRPC port here, where production nodes all use 8001."""
-
-    def environment(self, installation) -> dict[str, str]:
-        env = super().environment(installation)
-        env["KVPOP_ENGINE_GRPC_URL"] = self.grpc_url
-        return env
-
-
 @dataclass
 class Replica:
     name: str
@@ -164,7 +154,7 @@ class Cluster:
         self.workdir = workdir
         repository = build_model_repository(workdir / "model_repository", exported)
         self.replicas = [
-            Replica(f"replica{index}", weight, ReplicaServer(
+            Replica(f"replica{index}", weight, TritonServer(
                 repository, free_port(), free_port(), free_port(), "127.0.0.1", "cpu",
                 workdir / f"replica{index}.log", ["--exit-timeout-secs=2"]))
             for index, weight in enumerate(weights)

@@ -5,7 +5,6 @@ admin APIs behind a key, and the front end under sustained concurrent load with 
 from __future__ import annotations
 
 import json
-import threading
 import urllib.error
 import urllib.request
 
@@ -116,23 +115,35 @@ def test_a_batch_of_prompts_gets_one_answer_each(triton_server, kvpop_http, prot
 
 
 # -- only the request's own client can cancel it ------------------------------------------------
-def test_no_client_can_cancel_another_clients_request(triton_server, kvpop_grpc):
-    request_id = "victim-request"
-    chunks = []
+def test_no_client_can_cancel_another_clients_request(triton_server):
+    """The victim streams with a known request id; another client forges the cancel control message
+    the engine used to honour (`kvpop_cancel: <request id>`) and variants of it. The victim finishes."""
+    import queue
 
-    def victim():
-        with KVpopClient(triton_server.grpc_url, "grpc") as client:
-            chunks.extend(client.stream(list(range(5, 45)), max_tokens=1500, ignore_eos=True))
-
-    thread = threading.Thread(target=victim)
-    thread.start()
-    for forged in ({"kvpop_cancel": request_id}, {"cancel": True, "request_id": request_id}):
-        for target in ("kvpop_engine", "kvpop_service"):
-            post(f"http://{triton_server.http_url}/v2/models/{target}/generate",
-                 {"text_input": "x", "max_tokens": 1, "parameters": forged, **forged})
-    thread.join(120)
-    assert chunks and chunks[-1].result is not None
-    assert chunks[-1].result.num_output_tokens == 1500 and chunks[-1].result.finish_reason == "length"
+    responses: queue.Queue = queue.Queue()
+    ids = grpcclient.InferInput("input_ids", [1, 40], "INT32")
+    ids.set_data_from_numpy(np.arange(5, 45, dtype=np.int32).reshape(1, -1))
+    options = []
+    for name, value, datatype, dtype in (("max_tokens", 1500, "INT32", np.int32), ("ignore_eos", True, "BOOL", bool),
+                                         ("stream", True, "BOOL", bool)):
+        options.append(grpcclient.InferInput(name, [1, 1], datatype))
+        options[-1].set_data_from_numpy(np.array([[value]], dtype=dtype))
+    with grpcclient.InferenceServerClient(triton_server.grpc_url) as victim:
+        victim.start_stream(callback=lambda result, error: responses.put((result, error)))
+        victim.async_stream_infer("kvpop_engine", [ids, *options], request_id="victim-request")
+        assert responses.get(timeout=60)[1] is None  # it is running
+        for forged in ({"kvpop_cancel": "victim-request"}, {"cancel": True, "request_id": "victim-request"}):
+            for target in ("kvpop_engine", "kvpop_service"):
+                post(f"http://{triton_server.http_url}/v2/models/{target}/generate",
+                     {"text_input": "x", "max_tokens": 1, **forged})
+        finish = None
+        while finish is None:
+            result, error = responses.get(timeout=120)
+            assert error is None, error
+            reason = result.as_numpy("finish_reason").reshape(-1)[0]
+            finish = (reason.decode() or None, int(result.as_numpy("num_output_tokens").reshape(-1)[0])) if reason else None
+        victim.stop_stream()
+    assert finish == ("length", 1500)
 
 
 # -- the admin APIs need the operator's key -----------------------------------------------------

@@ -32,8 +32,19 @@ ADMIN_APIS = ("model-repository", "shared-memory", "logging", "trace", "statisti
 ADMIN_KEY_HEADER = "kvpop-admin-key"
 
 
+STUB_BINARY = "triton_python_backend_stub"
+SHM_DIR = Path("/dev/shm")
+
+
 class LauncherError(RuntimeError):
     pass
+
+
+def remove_shm_regions(regions: list[str]) -> None:
+    """Remove Python-backend shared-memory regions (a crashed stub leaves its region behind)."""
+    for region in regions:
+        for path in SHM_DIR.glob(f"{region}*"):
+            path.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)
@@ -197,16 +208,38 @@ class TritonServer:
         raise LauncherError(f"tritonserver not ready after {timeout:.0f} s")
 
     def stop(self, timeout: float = 30.0) -> None:
-        if self.process is None or self.process.poll() is not None:
-            self.kill_leftovers()
+        """Stop gracefully (SIGINT, Triton's own exit timeout), then make sure nothing is left: no stub
+        process and none of its /dev/shm regions."""
+        if self.process is None:
             return
-        self.process.send_signal(signal.SIGINT)
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        regions = self.shm_regions()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
         self.kill_leftovers()
+        remove_shm_regions(regions)
+
+    def shm_regions(self) -> list[str]:
+        """The shared-memory regions of this server's Python backend stubs (from their command lines)."""
+        import psutil
+
+        try:
+            children = psutil.Process(self.process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+        regions = []
+        for child in children:
+            try:
+                command = child.cmdline()
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            if len(command) > 2 and command[0].endswith(STUB_BINARY):
+                regions.append(command[2])
+        return regions
 
     def kill_leftovers(self) -> None:
         """SIGKILL what is left of the server's process group: a stub orphaned by a crashed server

@@ -26,10 +26,7 @@ from pathlib import Path
 import psutil
 
 from kvpop.serving.drain import DRAIN_FILE_ENV, DrainSignal
-from kvpop.serving.launcher import LauncherError, TritonServer
-
-STUB_BINARY = "triton_python_backend_stub"
-SHM_DIR = Path("/dev/shm")
+from kvpop.serving.launcher import STUB_BINARY, LauncherError, TritonServer, remove_shm_regions
 # Gauges that say whether any request is still being served (summed over instances).
 BUSY_GAUGES = ("kvpop_active_sequences", "kvpop_queued_sequences", "kvpop_frontend_in_flight_requests")
 
@@ -63,13 +60,6 @@ def stub_processes(server_pid: int) -> list[StubProcess]:
     except psutil.NoSuchProcess:
         return []
     return [stub for stub in map(StubProcess.from_process, children) if stub is not None]
-
-
-def remove_shm_regions(regions: list[str]) -> None:
-    """Remove a dead server's Python-backend shared-memory regions (a crashed stub leaves them)."""
-    for region in regions:
-        for path in SHM_DIR.glob(f"{region}*"):
-            path.unlink(missing_ok=True)
 
 
 def busy_requests(metrics_url: str) -> float | None:
@@ -223,10 +213,8 @@ class Supervisor:
 
     def _stop_server(self, force: bool = False) -> None:
         """Stop the server, then kill whatever of its process group is left and clean /dev/shm."""
-        regions = [stub.shm_region for stub in self.stubs]
-        if self.server.process is not None:
-            self.server.stop(timeout=2 if force else 30)
-            self.server.kill_leftovers()
+        regions = [stub.shm_region for stub in self.stubs]  # a dead stub's region too
+        self.server.stop(timeout=2 if force else 30)
         remove_shm_regions(regions)
         self.stubs = []
 

@@ -1,0 +1,266 @@
+"""The tiered session store: hot (instance memory, counted in the KV pool), warm (host memory), cold
+(checkpoint files), each bounded by its own byte limit.
+
+Why three tiers and not one dict: a bounded cache makes a session small and fixed in size, so many
+can be kept, but memory for running sequences comes first. A new or continued session enters the
+hot tier; when a tier is over its limit its least recently used sessions (`evict_policy`) move one
+tier down (hot -> warm -> cold) and a session read from a lower tier moves back up to hot. Cold
+files older than `cold_ttl_s`, then the oldest beyond `cold_bytes`, are deleted.
+
+When checkpoints are written: with `write_through` (the default) every `put` -- the end of every
+turn -- also writes the session's checkpoint, so a SIGKILL between turns loses nothing; the memory
+tiers are then caches of the disk and demoting from warm only drops the copy. Without it, a session
+reaches the disk only when it is demoted from warm (a crash loses what was in memory).
+
+Every id is validated and hashed with a keyed HMAC before it is a key or a file name; the secret is
+kept beside the checkpoints (`session.key`, mode 0600) so it survives restarts. Several instances
+may share one checkpoint directory: a miss in memory always looks on disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvpop.sessions.checkpoint import SUFFIX, CheckpointError, read_checkpoint, write_checkpoint
+from kvpop.sessions.evict_policy import LRUPolicy
+from kvpop.sessions.ids import SessionKey
+from kvpop.sessions.state import SessionState
+
+HOT, WARM, COLD = "hot", "warm", "cold"
+TIERS = (HOT, WARM, COLD)
+SECRET_FILE = "session.key"
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TierLimits:
+    hot_bytes: int  # sessions kept in instance memory (counted against the KV pool)
+    warm_bytes: int  # more kept in host memory
+    cold_dir: Path | None = None  # checkpoints; None: no disk tier (sessions past warm are dropped)
+    cold_bytes: int = 1 << 30
+    cold_ttl_s: float = 24 * 3600.0
+    write_through: bool = True  # checkpoint every put (survives a crash between turns)
+
+    def __post_init__(self) -> None:
+        if self.hot_bytes < 0 or self.warm_bytes < 0 or self.cold_bytes < 0 or self.cold_ttl_s <= 0:
+            raise ValueError(f"session tier limits must be >= 0 (ttl > 0), got {self}")
+
+
+@dataclass
+class _Entry:
+    state: SessionState
+    nbytes: int
+    last_access: int
+    hits: int = 0
+
+
+@dataclass
+class StoreCounters:
+    lookups: int = 0
+    hits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    promotions: int = 0
+    demotions: int = 0
+    checkpoints_written: int = 0
+    checkpoints_rejected: int = 0
+    cold_removed: int = 0
+    restore_seconds: list[float] = field(default_factory=list)  # cold reads since the last `take_restore_seconds`
+
+
+class SessionStore:
+    def __init__(self, limits: TierLimits, fingerprint: str, secret: bytes | None = None, policy=None, clock=time.time) -> None:
+        self.limits = limits
+        self.fingerprint = fingerprint
+        self.policy = policy or LRUPolicy()
+        self.clock = clock
+        self.counters = StoreCounters()
+        self._lock = threading.Lock()
+        self._tiers: dict[str, dict[str, _Entry]] = {HOT: {}, WARM: {}}
+        self._tick = 0
+        if limits.cold_dir is not None:
+            Path(limits.cold_dir).mkdir(parents=True, exist_ok=True)
+        self.secret = secret if secret is not None else self._load_secret()
+
+    # -- keys and paths -------------------------------------------------------------------------
+
+    def _load_secret(self) -> bytes:
+        if self.limits.cold_dir is None:
+            return secrets.token_bytes(32)
+        path = Path(self.limits.cold_dir) / SECRET_FILE
+        try:
+            descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            secret = path.read_bytes()
+            if len(secret) != 32:
+                raise ValueError(f"{path} is not a 32-byte session secret") from None
+            return secret
+        secret = secrets.token_bytes(32)
+        with os.fdopen(descriptor, "wb") as handle:
+            handle.write(secret)
+        return secret
+
+    def key(self, session_id: str) -> str:
+        """The keyed hash of a (validated) id; raises InvalidSessionId."""
+        return SessionKey.of(session_id, self.secret).digest
+
+    def _path(self, digest: str) -> Path | None:
+        return None if self.limits.cold_dir is None else Path(self.limits.cold_dir) / f"{digest}{SUFFIX}"
+
+    # -- public API -----------------------------------------------------------------------------
+
+    def get(self, session_id: str) -> SessionState | None:
+        """The session's state, moved up to the hot tier; None when absent (or its checkpoint refused).
+        The caller must not modify it (restoring copies its arrays)."""
+        digest = self.key(session_id)
+        with self._lock:
+            self.counters.lookups += 1
+            for tier in (HOT, WARM):
+                entry = self._tiers[tier].pop(digest, None)
+                if entry is not None:
+                    self.counters.hits[tier] += 1
+                    self.counters.promotions += tier != HOT
+                    entry.hits += 1
+                    self._insert(HOT, digest, entry)
+                    self._enforce_limits()
+                    return entry.state
+            state = self._read_cold(digest)
+            if state is None:
+                return None
+            self.counters.hits[COLD] += 1
+            self.counters.promotions += 1
+            self._insert(HOT, digest, _Entry(state, state.nbytes, 0, hits=1))
+            self._enforce_limits()
+            return state
+
+    def put(self, session_id: str, state: SessionState) -> None:
+        """Keep `state` as the session's newest (hot tier; its checkpoint too with write_through)."""
+        digest = self.key(session_id)
+        with self._lock:
+            for tier in (HOT, WARM):
+                self._tiers[tier].pop(digest, None)
+            if self.limits.write_through:
+                self._write_cold(digest, state)
+            self._insert(HOT, digest, _Entry(state, state.nbytes, 0))
+            self._enforce_limits()
+
+    def remove(self, session_id: str) -> bool:
+        """Forget the session everywhere (memory and disk); whether it existed."""
+        digest = self.key(session_id)
+        with self._lock:
+            found = any(self._tiers[tier].pop(digest, None) is not None for tier in (HOT, WARM))
+            path = self._path(digest)
+            if path is not None and path.exists():
+                path.unlink(missing_ok=True)
+                found = True
+            return found
+
+    def tier_of(self, session_id: str) -> str | None:
+        digest = self.key(session_id)
+        with self._lock:
+            for tier in (HOT, WARM):
+                if digest in self._tiers[tier]:
+                    return tier
+            path = self._path(digest)
+            return COLD if path is not None and path.exists() else None
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Entries and bytes per tier."""
+        with self._lock:
+            result = {tier: {"entries": len(entries), "bytes": sum(entry.nbytes for entry in entries.values())}
+                      for tier, entries in self._tiers.items()}
+            files = self._cold_files()
+            result[COLD] = {"entries": len(files), "bytes": sum(size for _, size, _ in files)}
+            return result
+
+    @property
+    def hot_bytes(self) -> int:
+        with self._lock:
+            return sum(entry.nbytes for entry in self._tiers[HOT].values())
+
+    def take_restore_seconds(self) -> list[float]:
+        with self._lock:
+            seconds, self.counters.restore_seconds = self.counters.restore_seconds, []
+            return seconds
+
+    def sweep(self) -> None:
+        """Delete expired and excess checkpoints (also done after every write)."""
+        with self._lock:
+            self._sweep_cold()
+
+    # -- tiers (called under the lock) ----------------------------------------------------------
+
+    def _insert(self, tier: str, digest: str, entry: _Entry) -> None:
+        self._tick += 1
+        entry.last_access = self._tick
+        self._tiers[tier][digest] = entry
+
+    def _over(self, tier: str) -> bool:
+        limit = self.limits.hot_bytes if tier == HOT else self.limits.warm_bytes
+        return sum(entry.nbytes for entry in self._tiers[tier].values()) > limit
+
+    def _enforce_limits(self) -> None:
+        for tier, lower in ((HOT, WARM), (WARM, COLD)):
+            entries = self._tiers[tier]
+            while entries and self._over(tier):
+                digest = min(entries, key=lambda d: self.policy.get_priority(entries[d]))
+                entry = entries.pop(digest)
+                self.counters.demotions += 1
+                if lower == WARM:
+                    entries_below = self._tiers[WARM]
+                    entries_below[digest] = entry  # keeps its last_access: LRU order holds across tiers
+                elif not self.limits.write_through:
+                    self._write_cold(digest, entry.state)
+
+    def _write_cold(self, digest: str, state: SessionState) -> None:
+        path = self._path(digest)
+        if path is None:
+            return
+        write_checkpoint(path, state, owner=digest)
+        self.counters.checkpoints_written += 1
+        self._sweep_cold()
+
+    def _read_cold(self, digest: str) -> SessionState | None:
+        path = self._path(digest)
+        if path is None or not path.exists():
+            return None
+        started = time.perf_counter()
+        try:
+            state = read_checkpoint(path, owner=digest, fingerprint=self.fingerprint)
+        except CheckpointError as error:
+            log.warning("session checkpoint %s refused and deleted: %s", path.name, error)
+            self.counters.checkpoints_rejected += 1
+            path.unlink(missing_ok=True)
+            return None
+        self.counters.restore_seconds.append(time.perf_counter() - started)
+        os.utime(path)  # recently used: the last to expire or be removed for size
+        return state
+
+    def _cold_files(self) -> list[tuple[Path, int, float]]:
+        """(path, bytes, mtime) of every checkpoint, oldest first."""
+        if self.limits.cold_dir is None:
+            return []
+        files = []
+        for path in Path(self.limits.cold_dir).glob(f"*{SUFFIX}"):
+            if path.name.startswith(".tmp-"):
+                continue
+            try:
+                info = path.stat()
+            except FileNotFoundError:  # removed meanwhile (another instance)
+                continue
+            files.append((path, info.st_size, info.st_mtime))
+        return sorted(files, key=lambda item: item[2])
+
+    def _sweep_cold(self) -> None:
+        files = self._cold_files()
+        now = self.clock()
+        total = sum(size for _, size, _ in files)
+        for path, size, mtime in files:
+            if now - mtime > self.limits.cold_ttl_s or total > self.limits.cold_bytes:
+                path.unlink(missing_ok=True)
+                total -= size
+                self.counters.cold_removed += 1

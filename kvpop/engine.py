@@ -16,10 +16,11 @@ engine's lock; everything else belongs to the thread calling `step`.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -30,6 +31,7 @@ from kvpop.decoder import DecoderStep, StepOutput
 from kvpop.policies import POLICIES, EvictionPolicy, TokenScorer, make_policy
 from kvpop.sampling import Sampler, SamplingParams
 from kvpop.scorer import LEARNED_SCORER_KINDS, learned_scorer
+from kvpop.sessions import SessionStore, capture_state, restore_cache, validate_session_id
 
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED = "stop", "length", "cancelled"
 NO_TOKEN = -1  # token_id of an event that carries no token (a cancellation)
@@ -106,6 +108,9 @@ class GenerationRequest:
     prompt_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    # Keep the sequence's state when it ends, and start from the session's saved state when the
+    # prompt begins with the tokens that state has seen (needs an engine with a session store).
+    session_id: str | None = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = [int(token) for token in self.prompt_ids]
@@ -134,6 +139,8 @@ class GenerationResult:
     tokens_seen: int = 0
     policy: str = "full"
     matched_stop: str | None = None  # the stop string that ended it, if any (its tokens stay in output_ids)
+    tokens_reused: int = 0  # prompt tokens taken from the session's saved cache (not computed)
+    session_tier: str | None = None  # where the session's state was found (hot / warm / cold), if it was
 
 
 @dataclass
@@ -147,6 +154,8 @@ class _Sequence:
     matched_stop: str | None = None
     prefilled: int = 0  # prompt tokens fed to the model so far
     chunk_size: int = 1  # prompt tokens per prefill call
+    session_tier: str | None = None  # the session's state was restored from this tier
+    tokens_reused: int = 0  # prompt tokens the restored session state already held
 
     @property
     def prompt_left(self) -> int:
@@ -169,6 +178,7 @@ class Engine:
         prefill_chunk: int = 256,
         learned_scorers: dict[str, TokenScorer] | None = None,
         max_step_tokens: int | None = None,
+        sessions: SessionStore | None = None,
     ) -> None:
         """`max_step_tokens`: prompt tokens fed per step (at least one chunk; default one
         `prefill_chunk`): the longest a running stream waits for prefill work between two tokens."""
@@ -193,6 +203,7 @@ class Engine:
         self._running: dict[str, _Sequence] = {}  # step thread only: prompt in, decoding
         self._prefilling: dict[str, _Sequence] = {}  # step thread only: admitted, prompt partly fed (FIFO)
         self._pool = BatchSlotPool(self.spec)
+        self.sessions = sessions  # finished sequences with a session_id are kept here
 
     @classmethod
     def from_model_dir(cls, model_dir: Path, device: str = "cpu", **options: Any) -> "Engine":
@@ -222,6 +233,10 @@ class Engine:
                 raise ValueError(f"request {request.request_id!r}: {error}") from None
         if request.sampling.stop and self.tokenizer is None:
             raise ValueError(f"request {request.request_id!r}: stop strings need an engine with a tokenizer")
+        if request.session_id is not None:
+            if self.sessions is None:
+                raise ValueError(f"request {request.request_id!r}: this engine keeps no sessions")
+            validate_session_id(request.session_id)
         with self._lock:
             if request.request_id in self._request_ids:
                 raise ValueError(f"request id {request.request_id!r} is already in use")
@@ -308,7 +323,38 @@ class Engine:
         # A bounded cache takes at most `budget` tokens per chunk, so no query ever sees more than
         # budget cached + budget new tokens (a larger chunk would flatter the policy).
         chunk_size = self.prefill_chunk if budget is None else min(self.prefill_chunk, budget)
-        return _Sequence(request=request, cache=cache, sampler=Sampler(request.sampling), chunk_size=chunk_size)
+        sequence = _Sequence(request=request, cache=cache, sampler=Sampler(request.sampling), chunk_size=chunk_size)
+        if request.session_id is not None:
+            self._resume_session(sequence, budget)
+        return sequence
+
+    def _resume_session(self, sequence: _Sequence, budget: int | None) -> None:
+        """Continue from the session's saved cache when it fits this request: same model, same cache
+        options and budget, and a prompt that starts with the saved tokens. Otherwise: a cold prefill."""
+        request = sequence.request
+        state, tier = self.sessions.lookup(request.session_id)
+        if state is None or state.fingerprint != self.sessions.fingerprint or state.budget != budget:
+            return
+        if state.cache_options != asdict(request.cache) or not state.reusable_for(request.prompt_ids):
+            return
+        cache = restore_cache(state, self.spec, request.cache.build_policy(self.learned_scorers))
+        if budget is not None:
+            cache.reserve(min(budget, len(request.prompt_ids) + request.sampling.max_tokens))
+        sequence.cache, sequence.prefilled, sequence.session_tier = cache, state.tokens_seen, tier
+        sequence.tokens_reused = state.tokens_seen
+
+    def close_session(self, session_id: str) -> bool:
+        """Forget a session's saved state (memory and disk); whether there was one."""
+        return self.sessions.remove(session_id) if self.sessions is not None else False
+
+    def _keep_session(self, sequence: _Sequence) -> None:
+        """Save a finished turn's cache and the tokens it has seen (all but the last sampled one)."""
+        cache, request = sequence.cache, sequence.request
+        history = (request.prompt_ids + sequence.output_ids)[: cache.tokens_seen]
+        try:
+            self.sessions.put(request.session_id, capture_state(cache, history, self.sessions.fingerprint, asdict(request.cache)))
+        except Exception:  # a full disk must not fail the turn: the next one prefills cold
+            logging.getLogger(__name__).exception("session state of request %r not kept", request.request_id)
 
     def _prefill_step(self) -> list[TokenEvent]:
         """Feed admitted prompts' chunks while they fit the step's token budget (at least one chunk).
@@ -430,7 +476,11 @@ class Engine:
             tokens_seen=cache.tokens_seen,
             policy=request.cache.policy,
             matched_stop=sequence.matched_stop,
+            tokens_reused=sequence.tokens_reused,
+            session_tier=sequence.session_tier,
         )
+        if request.session_id is not None and reason != FINISH_CANCELLED:
+            self._keep_session(sequence)
         with self._lock:
             self._finished[request.request_id] = result
         return TokenEvent(request.request_id, token, finished=True, finish_reason=reason)

@@ -116,6 +116,10 @@ class SessionStore:
     def get(self, session_id: str) -> SessionState | None:
         """The session's state, moved up to the hot tier; None when absent (or its checkpoint refused).
         The caller must not modify it (restoring copies its arrays)."""
+        return self.lookup(session_id)[0]
+
+    def lookup(self, session_id: str) -> tuple[SessionState | None, str | None]:
+        """(state, the tier it was found in) as `get`; (None, None) when absent."""
         digest = self.key(session_id)
         with self._lock:
             self.counters.lookups += 1
@@ -127,15 +131,15 @@ class SessionStore:
                     entry.hits += 1
                     self._insert(HOT, digest, entry)
                     self._enforce_limits()
-                    return entry.state
+                    return entry.state, tier
             state = self._read_cold(digest)
             if state is None:
-                return None
+                return None, None
             self.counters.hits[COLD] += 1
             self.counters.promotions += 1
             self._insert(HOT, digest, _Entry(state, state.nbytes, 0, hits=1))
             self._enforce_limits()
-            return state
+            return state, COLD
 
     def put(self, session_id: str, state: SessionState) -> None:
         """Keep `state` as the session's newest (hot tier; its checkpoint too with write_through)."""

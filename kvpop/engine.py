@@ -111,6 +111,7 @@ class GenerationRequest:
     # Keep the sequence's state when it ends, and start from the session's saved state when the
     # prompt begins with the tokens that state has seen (needs an engine with a session store).
     session_id: str | None = None
+    end_session: bool = False  # the session's last turn: forget its state instead of keeping it
 
     def __post_init__(self) -> None:
         self.prompt_ids = [int(token) for token in self.prompt_ids]
@@ -479,7 +480,9 @@ class Engine:
             tokens_reused=sequence.tokens_reused,
             session_tier=sequence.session_tier,
         )
-        if request.session_id is not None and reason != FINISH_CANCELLED:
+        if request.session_id is not None and request.end_session:
+            self.close_session(request.session_id)
+        elif request.session_id is not None and reason != FINISH_CANCELLED:
             self._keep_session(sequence)
         with self._lock:
             self._finished[request.request_id] = result

@@ -267,3 +267,18 @@ def test_a_state_larger_than_hot_goes_to_warm_and_no_disk_means_dropped(tmp_path
     assert sessions.tier_of("a") == WARM
     sessions.put("b", state)
     assert sessions.tier_of("a") is None and sessions.tier_of("b") == WARM
+
+
+def test_a_changed_checkpoint_wins_over_the_memory_copy(tmp_path):
+    _, state = make_state()
+    _, newer = make_state(seed=5)
+    first = store(tmp_path, hot=1 << 30, warm=0)
+    second = store(tmp_path, hot=1 << 30, warm=0)  # another instance on the same directory
+    first.put("a", state)
+    assert second.get("a") is not None
+    path = tmp_path / "cold" / f"{first.key('a')}.safetensors"
+    os.utime(path, ns=(path.stat().st_mtime_ns - 10**9,) * 2)  # coarse file-system clocks
+    second.put("a", newer)
+    np.testing.assert_array_equal(first.get("a").tokens, newer.tokens)
+    path.write_bytes(path.read_bytes()[:100])  # damaged on disk: refused, not served from memory
+    assert first.get("a") is None and first.counters.checkpoints_rejected == 1

@@ -36,6 +36,8 @@ OPTIONAL_INPUTS: dict[str, tuple[str, Any]] = {
     "eviction_policy": ("BYTES", np.object_),
     "kv_budget": ("INT32", np.int32),
     "compression_ratio": ("FP32", np.float32),
+    "session_id": ("BYTES", np.object_),  # keep the conversation's cache on the server between turns
+    "session_close": ("BOOL", np.bool_),  # the session's last turn: the server forgets it afterwards
 }
 
 

@@ -23,6 +23,8 @@ class Generation:
     peak_kv_bytes: int
     tokens_evicted: int
     compression: float
+    tokens_reused: int = 0  # prompt tokens taken from the session's saved cache (servers before sessions: 0)
+    tokens_computed: int = 0  # prompt tokens prefilled by this request
 
     @classmethod
     def from_outputs(cls, get: Callable[[str], np.ndarray | None], max_tokens: int | None = None) -> "Generation":
@@ -62,6 +64,8 @@ class Generation:
             peak_kv_bytes=scalar("peak_kv_bytes", int),
             tokens_evicted=scalar("tokens_evicted", int),
             compression=scalar("compression", float),
+            tokens_reused=scalar("tokens_reused", int) if get("tokens_reused") is not None else 0,
+            tokens_computed=scalar("tokens_computed", int) if get("tokens_computed") is not None else 0,
         )
         generation.validate(max_tokens)
         return generation

@@ -24,6 +24,11 @@ class ServiceConfig:
     kv_pool_mb: int = 1024  # KV memory per instance for all running sequences (admission control)
     min_kv_budget: int = 64  # when the pool is tight, bounded requests may be degraded down to this
     max_queue_size: int = 64  # requests waiting for KV memory; beyond this they are rejected (overloaded)
+    session_hot_mb: int = 128  # finished sessions kept in the KV pool (part of kv_pool_mb); 0: none
+    session_warm_mb: int = 1024  # more sessions kept in host memory
+    session_cold_mb: int = 8192  # session checkpoints on disk; the oldest beyond this are deleted
+    session_ttl_s: float = 86400.0  # checkpoints unused this long are deleted
+    session_dir: str = "sessions"  # checkpoint directory, relative to the model's directory; "": no disk tier
 
     def __post_init__(self) -> None:
         for name in ("default_kv_budget", "max_prompt_tokens", "max_output_tokens", "default_max_tokens",
@@ -35,6 +40,10 @@ class ServiceConfig:
                 f"parameters ort_threads, max_queue_size and max_step_tokens must be >= 0, got {self.ort_threads}, "
                 f"{self.max_queue_size}, {self.max_step_tokens}"
             )
+        if min(self.session_hot_mb, self.session_warm_mb, self.session_cold_mb) < 0 or self.session_ttl_s <= 0:
+            raise ValueError("parameters session_hot_mb, session_warm_mb, session_cold_mb must be >= 0, session_ttl_s > 0")
+        if self.session_hot_mb >= self.kv_pool_mb:
+            raise ValueError(f"parameter session_hot_mb ({self.session_hot_mb}) must leave room in kv_pool_mb ({self.kv_pool_mb})")
         if self.min_kv_budget > self.default_kv_budget:
             raise ValueError(f"parameter min_kv_budget ({self.min_kv_budget}) exceeds default_kv_budget ({self.default_kv_budget})")
         if self.default_max_tokens > self.max_output_tokens:

@@ -24,7 +24,7 @@ from kvpop.serving.errors import kind_of, tagged
 
 # The engine's outputs, in the order the front end answers them.
 OUTPUT_NAMES = ("text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens", "kv_budget",
-                "peak_kv_bytes", "tokens_evicted", "compression")
+                "peak_kv_bytes", "tokens_evicted", "compression", "tokens_reused", "tokens_computed")
 PAD_TOKEN_ID = -1  # pads output_ids when the prompts of one batched request get answers of unequal length
 
 

@@ -60,6 +60,8 @@ def engine_prompts(
     mismatched = {name: size for name, size in batch_sizes.items() if size not in (1, batch)}
     if mismatched:
         raise InvalidRequestError(f"inputs disagree on the batch size {batch}: {mismatched}")
+    if batch > 1 and ("session_id" in inputs or "session_id" in parameters):
+        raise InvalidRequestError("a session continues one conversation: send one prompt per request with session_id")
     prompts = [
         {name: array[index:index + 1] if array.shape[0] == batch else array for name, array in inputs.items()}
         for index in range(batch)

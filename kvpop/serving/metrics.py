@@ -6,6 +6,7 @@ worker can run without metrics (`NullMetrics`) in unit tests and offline tools.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
@@ -13,6 +14,9 @@ TOKEN_LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64]
 COMPRESSION_BUCKETS = [0.0, 0.25, 0.5, 0.75, 0.875, 0.9375, 0.97, 0.99]
 FINISH_REASONS = ("stop", "length", "cancelled")
+SESSION_TIERS = ("hot", "warm", "cold")
+RESTORE_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
+SESSION_STATS_INTERVAL = 1.0  # seconds between reads of the store's tiers (the cold one is a directory scan)
 
 
 class NullMetrics:
@@ -65,6 +69,31 @@ class ServiceMetrics:
         self.batch_size = histogram("kvpop_batch_size", "sequences decoded together per engine step", BATCH_BUCKETS)
         self.kv_bytes_capacity.set(kv_capacity_bytes)
 
+        session_prompt = counter("kvpop_session_prompt_tokens_total", "prompt tokens of requests with a session_id")
+        session_reused = counter("kvpop_session_tokens_reused_total", "prompt tokens taken from a saved session (not computed)")
+        self.session_prompt_tokens = session_prompt.Metric(labels=labels)
+        self.session_tokens_reused = session_reused.Metric(labels=labels)
+        self.session_hit_ratio = gauge("kvpop_session_hit_ratio", "session prompt tokens reused / session prompt tokens, since start")
+        lookups = counter("kvpop_session_lookups_total", "session state lookups")
+        hits = counter("kvpop_session_hits_total", "session state found, by tier")
+        self.session_counters = {
+            "lookups": lookups.Metric(labels=labels),
+            "promotions": counter("kvpop_session_promotions_total", "sessions moved up to the hot tier").Metric(labels=labels),
+            "demotions": counter("kvpop_session_demotions_total", "sessions moved down a tier").Metric(labels=labels),
+            "checkpoints_written": counter("kvpop_session_checkpoints_written_total", "session checkpoints written").Metric(labels=labels),
+            "checkpoints_rejected": counter("kvpop_session_checkpoints_rejected_total", "corrupt, truncated or foreign checkpoints refused").Metric(labels=labels),
+            "cold_removed": counter("kvpop_session_checkpoints_removed_total", "checkpoints deleted past the size limit or TTL").Metric(labels=labels),
+        }
+        self.session_hits = {tier: hits.Metric(labels={**labels, "tier": tier}) for tier in SESSION_TIERS}
+        tier_bytes = family("kvpop_session_bytes", "bytes of saved sessions, by tier", "GAUGE")
+        tier_entries = family("kvpop_session_entries", "saved sessions, by tier", "GAUGE")
+        self.session_bytes = {tier: tier_bytes.Metric(labels={**labels, "tier": tier}) for tier in SESSION_TIERS}
+        self.session_entries = {tier: tier_entries.Metric(labels={**labels, "tier": tier}) for tier in SESSION_TIERS}
+        self.session_restore = histogram("kvpop_session_restore_seconds", "time to read a session checkpoint from disk", RESTORE_BUCKETS)
+        self._session_seen: dict[str, int] = {}
+        self._session_prompt = self._session_reused = 0
+        self._session_stats_at = 0.0
+
     def observe_step(self, batch_size: int, kv_bytes_in_use: int, kv_bytes_reserved: int, active: int, queued: int) -> None:
         if batch_size:
             self.batch_size.observe(batch_size)
@@ -86,6 +115,34 @@ class ServiceMetrics:
         self.latency.observe(latency)
         if time_per_token is not None:
             self.tpot.observe(time_per_token)
+
+    def observe_session_turn(self, prompt_tokens: int, tokens_reused: int) -> None:
+        self.session_prompt_tokens.increment(prompt_tokens)
+        self.session_tokens_reused.increment(tokens_reused)
+        self._session_prompt += prompt_tokens
+        self._session_reused += tokens_reused
+        self.session_hit_ratio.set(self._session_reused / self._session_prompt if self._session_prompt else 0.0)
+
+    def observe_sessions(self, store) -> None:
+        """The store's tiers and counters (at most once per SESSION_STATS_INTERVAL)."""
+        now = time.monotonic()
+        if now - self._session_stats_at < SESSION_STATS_INTERVAL:
+            return
+        self._session_stats_at = now
+        for tier, stats in store.stats().items():
+            self.session_bytes[tier].set(stats["bytes"])
+            self.session_entries[tier].set(stats["entries"])
+        counters = store.counters
+        totals = {name: getattr(counters, name) for name in self.session_counters}
+        totals.update({f"hits.{tier}": counters.hits[tier] for tier in SESSION_TIERS})
+        for name, total in totals.items():
+            delta = total - self._session_seen.get(name, 0)
+            if delta > 0:
+                metric = self.session_hits[name[5:]] if name.startswith("hits.") else self.session_counters[name]
+                metric.increment(delta)
+            self._session_seen[name] = total
+        for seconds in store.take_restore_seconds():
+            self.session_restore.observe(seconds)
 
     def observe_rejected(self, reason: str) -> None:
         self.rejected[reason].increment(1)

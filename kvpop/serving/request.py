@@ -32,6 +32,8 @@ SCALAR_INPUTS: dict[str, type] = {
     "eviction_policy": str,
     "kv_budget": int,
     "compression_ratio": float,
+    "session_id": str,  # keep this conversation's cache between turns (kvpop.sessions)
+    "session_close": bool,  # the session's last turn: forget it afterwards
 }
 
 
@@ -198,5 +200,16 @@ def parse_request(
         cache = CacheConfig(policy=policy, budget=budget, compression=compression, scorer=kvpop_scorer)
     except ValueError as error:
         raise InvalidRequestError(str(error)) from None
-    generation = GenerationRequest(request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, cache=cache)
+    session_id = values["session_id"]
+    if session_id is not None:
+        from kvpop.sessions import InvalidSessionId, validate_session_id
+
+        try:
+            validate_session_id(session_id)
+        except InvalidSessionId as error:
+            raise InvalidRequestError(str(error)) from None
+    elif values["session_close"]:
+        raise InvalidRequestError("session_close needs a session_id")
+    generation = GenerationRequest(request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, cache=cache,
+                                   session_id=session_id, end_session=bool(values["session_close"]))
     return ParsedRequest(generation=generation, stream=bool(values["stream"]))

@@ -22,6 +22,7 @@ from kvpop.serving.config import ServiceConfig
 from kvpop.serving.drain import DrainSignal
 from kvpop.serving.request import InvalidRequestError, parse_request
 from kvpop.serving.worker import EngineWorker, ResponseChannel
+from kvpop.sessions import SessionStore, TierLimits, model_fingerprint
 
 TOKENIZER_DIRNAME = "tokenizer"
 
@@ -63,6 +64,7 @@ class KVpopService:
         admission = KVPoolAdmission(
             AdmissionPolicy(config.kv_pool_mb * 2**20, config.min_kv_budget, config.max_queue_size), self.decoder.spec
         )
+        self.sessions = self._session_store(Path(model_dir), config)
         self.worker = EngineWorker(self._new_engine, self.tokenizer, admission, metrics, drain=DrainSignal()).start()
         self._ids = itertools.count()
 
@@ -74,7 +76,20 @@ class KVpopService:
             prefill_chunk=self.config.prefill_chunk_tokens,
             max_step_tokens=self.config.max_step_tokens or None,
             learned_scorers=self.learned_scorers,
+            sessions=self.sessions,
         )
+
+    @staticmethod
+    def _session_store(model_dir: Path, config: ServiceConfig) -> SessionStore:
+        """One store per instance, outliving engine restarts; instances of a model share its disk tier.
+
+        `session_dir` is resolved against the model's directory (the parent of the version folder)."""
+        cold_dir = (model_dir.parent / config.session_dir) if config.session_dir else None
+        limits = TierLimits(
+            hot_bytes=config.session_hot_mb * 2**20, warm_bytes=config.session_warm_mb * 2**20, cold_dir=cold_dir,
+            cold_bytes=config.session_cold_mb * 2**20, cold_ttl_s=config.session_ttl_s,
+        )
+        return SessionStore(limits, model_fingerprint(model_dir))
 
     @property
     def kv_capacity_bytes(self) -> int:

@@ -57,6 +57,8 @@ def output_tensors(
         "peak_kv_bytes": np.array([[result.peak_kv_bytes if result else 0]], dtype=np.int64),
         "tokens_evicted": np.array([[result.tokens_evicted if result else 0]], dtype=np.int64),
         "compression": np.array([[result.compression if result else 0.0]], dtype=np.float32),
+        "tokens_reused": np.array([[result.tokens_reused if result else 0]], dtype=np.int32),
+        "tokens_computed": np.array([[num_input_tokens - result.tokens_reused if result else 0]], dtype=np.int32),
     }
 
 
@@ -185,6 +187,9 @@ class EngineWorker:
                     self.engine.cancel(event.request_id)
                     self._finish_with_error(event.request_id, f"internal error: {error}", "internal")
         in_use = self.engine.kv_bytes_in_use
+        if self.engine.sessions is not None:  # the hot session tier lives in the KV pool
+            in_use += self.engine.sessions.hot_bytes
+            self.metrics.observe_sessions(self.engine.sessions)
         with self._condition:
             self.admission.observe_engine(in_use)
             reserved, queued = self.admission.reserved_bytes, len(self._queue)
@@ -309,6 +314,8 @@ class EngineWorker:
         generated = len(result.output_ids)
         time_per_token = (now - active.first_token_at) / (generated - 1) if active.first_token_at and generated > 1 else None
         self.metrics.observe_finished(result, now - active.pending.arrived, time_per_token, len(result.prompt_ids))
+        if parsed.generation.session_id is not None:
+            self.metrics.observe_session_turn(len(result.prompt_ids), result.tokens_reused)
         try:
             active.pending.channel.send(tensors, final=True)
         except Exception:  # the client went away; its slots are already free

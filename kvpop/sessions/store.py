@@ -58,6 +58,7 @@ class _Entry:
     nbytes: int
     last_access: int
     hits: int = 0
+    disk_stamp: int | None = None  # st_mtime_ns of the checkpoint this copy was written as
 
 
 @dataclass
@@ -125,6 +126,8 @@ class SessionStore:
             self.counters.lookups += 1
             for tier in (HOT, WARM):
                 entry = self._tiers[tier].pop(digest, None)
+                if entry is not None and entry.disk_stamp is not None and entry.disk_stamp != self._stamp(digest):
+                    entry = None  # the checkpoint changed (another instance's newer turn, or damage): read it
                 if entry is not None:
                     self.counters.hits[tier] += 1
                     self.counters.promotions += tier != HOT
@@ -137,7 +140,7 @@ class SessionStore:
                 return None, None
             self.counters.hits[COLD] += 1
             self.counters.promotions += 1
-            self._insert(HOT, digest, _Entry(state, state.nbytes, 0, hits=1))
+            self._insert(HOT, digest, _Entry(state, state.nbytes, 0, hits=1, disk_stamp=self._stamp(digest)))
             self._enforce_limits()
             return state, COLD
 
@@ -149,7 +152,7 @@ class SessionStore:
                 self._tiers[tier].pop(digest, None)
             if self.limits.write_through:
                 self._write_cold(digest, state)
-            self._insert(HOT, digest, _Entry(state, state.nbytes, 0))
+            self._insert(HOT, digest, _Entry(state, state.nbytes, 0, disk_stamp=self._stamp(digest)))
             self._enforce_limits()
 
     def remove(self, session_id: str) -> bool:
@@ -219,6 +222,13 @@ class SessionStore:
                     entries_below[digest] = entry  # keeps its last_access: LRU order holds across tiers
                 elif not self.limits.write_through:
                     self._write_cold(digest, entry.state)
+
+    def _stamp(self, digest: str) -> int | None:
+        path = self._path(digest)
+        try:
+            return None if path is None else path.stat().st_mtime_ns
+        except FileNotFoundError:
+            return None
 
     def _write_cold(self, digest: str, state: SessionState) -> None:
         path = self._path(digest)

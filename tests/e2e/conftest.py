@@ -48,6 +48,7 @@ TEST_ENGINE_PARAMETERS = {
     "min_kv_budget": "64",
     "max_prompt_tokens": "512",
     "max_output_tokens": "65536",
+    "session_hot_mb": "0",  # a 1 MiB pool has no room for a hot tier: sessions live in warm and cold
 }
 
 

@@ -252,7 +252,7 @@ def markdown(report: dict) -> str:
         for concurrency, ratio in report["ratios"][workload["name"]].items():
             lines.append(f"| {concurrency} | {fmt(ratio['kvpop_over_full_rps'], '.2f')} | {fmt(ratio['kvpop_over_full_tps'], '.2f')} | "
                          f"{fmt(ratio['kvpop_over_classic_tps'], '.2f')} | {fmt(ratio['full_over_classic_rps'], '.2f')} |")
-    lines.append("\n### stall: a 2048-token prompt arrives while 4 streams decode\n")
+    lines.append(f"\n### stall: a 2048-token prompt arrives while 4 streams decode (engine parameters {report['engine_parameters']})\n")
     lines.append("| system | worst gap while it is prefilled ms | median gap ms | worst / median | its TTFT ms |")
     lines.append("|---|---|---|---|---|")
     for system, probes in report["stall"].items():
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repetitions", type=int, default=2)
     parser.add_argument("--reason-tokens", type=int, default=1024, help="output tokens of workload (b)")
     parser.add_argument("--pool-tokens", type=int, default=256, help="output tokens of workload (c)")
-    parser.add_argument("--workloads", nargs="+", default=["a", "b", "c", "d"])
+    parser.add_argument("--workloads", nargs="+", default=["a", "b", "c", "d"], help="a b c d, or none (the stall probe only)")
     parser.add_argument("--engine-parameter", action="append", default=[], metavar="KEY=VALUE",
                         help="a kvpop_engine config.pbtxt parameter for both servers (repeatable)")
     args = parser.parse_args(argv)
@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                       512, args.pool_tokens, (16,), 1, pool=True),
         "d": Workload("d", "~100-token chat prompts, 32 output tokens", 100, 32, (1, 4, 8), 3),
     }
-    workloads = [all_workloads[name] for name in args.workloads]
+    workloads = [all_workloads[name] for name in args.workloads if name != "none"]
     base_parameters = dict(item.split("=", 1) for item in args.engine_parameter)
     base_parameters.setdefault("max_output_tokens", str(max(1024, args.reason_tokens)))
     pool_tokens = 512 + args.pool_tokens

@@ -64,29 +64,42 @@ class DecoderStep:
         if threads:
             options.intra_op_num_threads = threads
         providers = execution_providers(device, device_id)
-        self.session = ort.InferenceSession(
-            str(self.model_dir / self.spec.decoder_file), sess_options=options, providers=providers
-        )
-        # (last_only, attention) -> session; the full step answers whatever has no variant.
-        self._sessions = {(False, True): self.session}
-        variants = variant_paths(self.model_dir / self.spec.decoder_file)
-        for key, kind in (((True, False), "lean"), ((True, True), "attention")):
-            if variants[kind].exists():
-                self._sessions[key] = ort.InferenceSession(str(variants[kind]), sess_options=options, providers=providers)
+        self._options, self._providers = options, providers
+        # (last_only, attention) -> graph file; the full step answers whatever has no variant. Each
+        # session holds its own copy of the weights (onnxruntime folds and prepacks them per session),
+        # so a session is loaded on first use: the lean one now, the attention variant when a policy
+        # that reads attention first runs, the full step only for callers that want every position.
+        decoder_path = self.model_dir / self.spec.decoder_file
+        variants = variant_paths(decoder_path)
+        self._files = {(False, True): decoder_path}
+        if variants["lean"].exists() and variants["attention"].exists():
+            self._files[(True, False)], self._files[(True, True)] = variants["lean"], variants["attention"]
+        self._sessions: dict[tuple[bool, bool], ort.InferenceSession] = {}
+        first = self._load((True, False) if self.has_lean_variants else (False, True))
         self.dtype = np.dtype(self.spec.dtype)
-        on_cuda = "CUDAExecutionProvider" in self.session.get_providers()
+        on_cuda = "CUDAExecutionProvider" in first.get_providers()
         self.device_store: DeviceKVStore | None = None
         if resident or (resident is None and on_cuda and (self.model_dir / SLOT_WRITER_FILE).exists()):
             self.device_store = DeviceKVStore(self.model_dir, "cuda" if on_cuda else "cpu", device_id, providers)
 
+    def _load(self, key: tuple[bool, bool]) -> ort.InferenceSession:
+        if key not in self._sessions:
+            self._sessions[key] = ort.InferenceSession(str(self._files[key]), sess_options=self._options, providers=self._providers)
+        return self._sessions[key]
+
+    @property
+    def session(self) -> ort.InferenceSession:
+        """The full exported step (every position's logits, attention)."""
+        return self._load((False, True))
+
     @property
     def has_lean_variants(self) -> bool:
-        return len(self._sessions) == 3
+        return (True, False) in self._files
 
     def _session(self, last_only: bool, attention: bool) -> ort.InferenceSession:
-        if (last_only, attention) in self._sessions:
-            return self._sessions[(last_only, attention)]
-        return self._sessions.get((True, True), self.session) if last_only else self.session
+        if not last_only or not self.has_lean_variants:
+            return self.session
+        return self._load((True, attention))
 
     def empty_cache(self, batch: int = 1, slots: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Zeroed (past_key, past_value, slot_mask) for `batch` sequences of `slots` slots."""

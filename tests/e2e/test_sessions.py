@@ -86,12 +86,16 @@ def test_sessions_beyond_memory_go_to_disk_and_come_back(kvpop_grpc, metrics, tr
 def test_corrupt_checkpoint_is_refused_and_the_turn_prefills_cold(kvpop_grpc, triton_server, metrics):
     first = kvpop_grpc.generate(user_turn(0), max_tokens=4, ignore_eos=True, session_id="to-corrupt")
     sessions_dir = triton_server.model_repository / "kvpop_engine" / "sessions"
-    # Only the disk copy can be damaged from outside; the test server keeps warm copies in memory,
-    # so this checks the store's refusal via a second id whose memory copy never existed.
-    newest = max(sessions_dir.glob("*.safetensors"), key=lambda path: path.stat().st_mtime)
-    newest.write_bytes(newest.read_bytes()[:200])
+    rejected = metrics("kvpop_session_checkpoints_rejected_total")
+    newest = max(sessions_dir.glob("*.safetensors"), key=lambda path: path.stat().st_mtime_ns)
+    newest.write_bytes(newest.read_bytes()[:200])  # the memory copy is stale now: the disk is read and refused
     follow = kvpop_grpc.generate(user_turn(0) + first.output_ids + [9], max_tokens=4, ignore_eos=True, session_id="to-corrupt")
-    assert follow.finish_reason == "length"
+    assert follow.finish_reason == "length" and follow.tokens_reused == 0
+    import time
+
+    time.sleep(1.5)  # session metrics are read from the store at most once a second
+    kvpop_grpc.generate([1, 2], max_tokens=1)
+    assert metrics("kvpop_session_checkpoints_rejected_total") == rejected + 1
 
 
 def test_sigkill_between_turns_then_restart_continues_every_checkpointed_session(tmp_path, tiny_onnx_model_dir):

@@ -313,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repetitions", type=int, default=2)
     parser.add_argument("--reason-tokens", type=int, default=1024, help="output tokens of workload (b)")
     parser.add_argument("--pool-tokens", type=int, default=256, help="output tokens of workload (c)")
+    parser.add_argument("--reason-concurrency", type=int, nargs="+", default=[4, 8], help="concurrencies of workload (b)")
+    parser.add_argument("--stall-tokens", type=int, default=1000, help="output tokens of the stall probe's running streams")
     parser.add_argument("--workloads", nargs="+", default=["a", "b", "c", "d"], help="a b c d, or none (the stall probe only)")
     parser.add_argument("--engine-parameter", action="append", default=[], metavar="KEY=VALUE",
                         help="a kvpop_engine config.pbtxt parameter for both servers (repeatable)")
@@ -323,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = ModelSpec.load(args.model)
     all_workloads = {
         "a": Workload("a", "2048-token prompts, 32 output tokens", 2048, 32, (1, 4, 8), 2),
-        "b": Workload("b", f"512-token prompts, {args.reason_tokens} output tokens", 512, args.reason_tokens, (4, 8), 1),
+        "b": Workload("b", f"512-token prompts, {args.reason_tokens} output tokens", 512, args.reason_tokens, tuple(args.reason_concurrency), 1),
         "c": Workload("c", f"16 users, 512-token prompts, {args.pool_tokens} output tokens, KV pool of 4 full sequences",
                       512, args.pool_tokens, (16,), 1, pool=True),
         "d": Workload("d", "~100-token chat prompts, 32 output tokens", 100, 32, (1, 4, 8), 3),
@@ -373,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
                               f"TTFT p50 {cell['ttft_p50_ms'] or 0:.0f} ms, ITL p50 {cell['itl_p50_ms'] or 0:.1f} ms, "
                               f"p99 {cell['latency_p99_ms'] or 0:.0f} ms, errors {cell['errors']} {cell['error_examples']}", flush=True)
             for system in ("full", "kvpop"):
-                probe = stall_probe(urls["main"][0], system, spec.vocab_size, stream_tokens=1000)
+                probe = stall_probe(urls["main"][0], system, spec.vocab_size, stream_tokens=args.stall_tokens)
                 stall[system].append(probe)
                 print(f"[bench] rep {repetition + 1} stall {system}: {probe}", flush=True)
     finally:

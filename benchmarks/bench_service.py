@@ -333,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     workloads = [all_workloads[name] for name in args.workloads if name != "none"]
     base_parameters = dict(item.split("=", 1) for item in args.engine_parameter)
     base_parameters.setdefault("max_output_tokens", str(max(1024, args.reason_tokens)))
+    cpu_config = (REPO_ROOT / "model_repository" / "kvpop_engine" / "configs" / "cpu.pbtxt").read_text()
+    if '"session_hot_mb"' in cpu_config:  # no finished sessions held in the KV pool: admission alone decides
+        base_parameters.setdefault("session_hot_mb", "0")
     pool_tokens = 512 + args.pool_tokens
     pool_mb = max(1, math.ceil(4 * pool_tokens * spec.kv_bytes_per_token / 2**20))
     pool_parameters = {**base_parameters, "kv_pool_mb": str(pool_mb)}

@@ -19,7 +19,7 @@ import pytest
 from kvpop.serving.launcher import free_port
 from kvpop_client import KVpopClient, KVpopServerError
 
-from e2e.conftest import TEST_ENGINE_PARAMETERS, build_model_repository
+from .conftest import TEST_ENGINE_PARAMETERS, build_model_repository
 
 pytestmark = [pytest.mark.server, pytest.mark.faults]
 PROMPT = "Let a = 7. What is a?"

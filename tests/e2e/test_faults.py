@@ -117,7 +117,9 @@ def test_a_killed_stub_is_noticed_in_flight_requests_fail_at_once_and_the_servic
     assert time.time() - killed_at < 30
     assert supervised.wait_ready(60), supervised.log.read_text()[-3000:]
     _, status = supervised.health()
-    assert status["restarts"][-1]["recovered"] and victim in status["restarts"][-1]["reason"]
+    restart = status["restarts"][-1]
+    # Seen first either way: the dead stub, or tritonserver aborting over it (2.51 sometimes does).
+    assert restart["recovered"] and (victim in restart["reason"] or "tritonserver exited" in restart["reason"]), restart
     assert stub["pid"] not in [new["pid"] for new in status["stubs"]]
     with KVpopClient(supervised.http_url, "http") as client:
         assert client.generate(PROMPT, max_tokens=4).num_output_tokens == 4

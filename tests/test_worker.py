@@ -116,3 +116,36 @@ def test_a_client_that_breaks_mid_stream_is_cancelled_and_others_carry_on(worker
     while worker.num_active and time.time() < deadline:
         time.sleep(0.01)
     assert worker.num_active == 0 and worker.admission.reserved_bytes == 0
+
+
+class CountingChannel(ListChannel):
+    """Counts is_cancelled() calls (each one is an IPC round trip to the Triton parent in production)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checks = 0
+
+    def is_cancelled(self):
+        self.checks += 1
+        return super().is_cancelled()
+
+
+def test_cancellation_is_checked_at_most_every_interval_not_every_step(worker):
+    """A stream of 200 tokens (200 engine steps) is asked whether it was cancelled about once per
+    50 ms, not once per step; a cancellation still ends it."""
+    channel = CountingChannel()
+    started = time.perf_counter()
+    worker.submit(parsed("counted", stream=True, max_tokens=200, budget=64, ignore_eos=True), channel)
+    assert channel.done.wait(60)
+    elapsed = time.perf_counter() - started
+    steps = len(channel.responses)
+    assert steps == 200
+    # Over its wall time T the stream is asked at most once per 50 ms (+1 for the first step), and
+    # never more than once per step: a bound that loosens on a slow machine instead of failing.
+    assert channel.checks <= min(steps, elapsed / 0.05 + 2)
+    cancelled = CountingChannel()
+    worker.submit(parsed("cancelled", stream=True, max_tokens=60_000, budget=64, ignore_eos=True), cancelled)
+    while not cancelled.responses:
+        time.sleep(0.01)
+    cancelled.cancelled = True
+    assert cancelled.done.wait(10) and cancelled.responses[-1]["finish_reason"][0, 0] == b"cancelled"

@@ -30,6 +30,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -393,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         for process, _ in classics.values():
             process.terminate()
             process.wait(timeout=30)
+        shutil.rmtree(scratch, ignore_errors=True)  # model repositories hold copies of the weights
 
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -72,6 +72,7 @@ class EngineForwarder:
         self._loop = asyncio.new_event_loop()
         self._ids = itertools.count(1)
         self._tasks: dict[int, asyncio.Task] = {}  # loop thread only
+        self._failures: dict[int, ForwardError] = {}  # loop thread only: why a task was cancelled
         self._in_flight = 0
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvpop-forwarder", daemon=True)
@@ -102,6 +103,10 @@ class EngineForwarder:
         """Cancel a job's engine streams (the client went away): the engine frees its slots."""
         self._loop.call_soon_threadsafe(self._cancel, job_id)
 
+    def fail_all(self, error: ForwardError) -> None:
+        """Fail every running job with `error` now (the engine is going away: clients should retry)."""
+        self._loop.call_soon_threadsafe(self._fail_all, error)
+
     def close(self) -> None:
         async def shutdown():
             for task in list(self._tasks.values()):
@@ -124,6 +129,11 @@ class EngineForwarder:
         if task is not None:
             task.cancel()
 
+    def _fail_all(self, error: ForwardError) -> None:
+        for job_id, task in list(self._tasks.items()):
+            self._failures[job_id] = error
+            task.cancel()
+
     async def _run(self, job: ForwardJob) -> None:
         answer, error = None, None
         try:
@@ -132,7 +142,7 @@ class EngineForwarder:
         except ForwardError as forward_error:
             error = forward_error
         except asyncio.CancelledError:
-            error = ForwardError("internal", "cancelled: the client went away")
+            error = self._failures.pop(job.job_id, None) or ForwardError("internal", "cancelled: the client went away")
         except Exception as unexpected:  # the engine unreachable, a broken stream: fail this request only
             error = ForwardError("overloaded", tagged("overloaded", f"the engine is unavailable: {unexpected}"))
         finally:

@@ -27,6 +27,7 @@ import psutil
 
 from kvpop.serving.drain import DRAIN_FILE_ENV, DrainSignal
 from kvpop.serving.launcher import STUB_BINARY, LauncherError, TritonServer, remove_shm_regions
+RESTART_NOTICE_SECONDS = 0.5  # the front end's watcher polls every 0.1 s
 # Gauges that say whether any request is still being served (summed over instances).
 BUSY_GAUGES = ("kvpop_active_sequences", "kvpop_queued_sequences", "kvpop_frontend_in_flight_requests")
 
@@ -185,7 +186,12 @@ class Supervisor:
         started = time.monotonic()
         self.state = "restarting"
         self._log(f"{reason}: restarting tritonserver")
+        # Requests still held by a live front end (or engine) get UNAVAILABLE now, not a dropped
+        # connection: a drain with no grace, then the restart.
+        self.drain.start(0)
+        time.sleep(RESTART_NOTICE_SECONDS)
         self._stop_server(force=True)
+        self.drain.clear()
         try:
             self._start_server()
         except LauncherError as error:

@@ -120,6 +120,11 @@ def test_a_killed_stub_is_noticed_in_flight_requests_fail_at_once_and_the_servic
     restart = status["restarts"][-1]
     # Seen first either way: the dead stub, or tritonserver aborting over it (2.51 sometimes does).
     assert restart["recovered"] and (victim in restart["reason"] or "tritonserver exited" in restart["reason"]), restart
+    if victim == "kvpop_engine" and victim in restart["reason"]:
+        # The front end outlived the engine: its clients got a retryable 503 / UNAVAILABLE, not a
+        # dropped connection (when tritonserver itself aborts, connections drop: still an error).
+        complete = [outcome for index, outcome in enumerate(outcomes) if index % 3]
+        assert set(complete) <= {"error 503", "error StatusCode.UNAVAILABLE"}, outcomes
     assert stub["pid"] not in [new["pid"] for new in status["stubs"]]
     with KVpopClient(supervised.http_url, "http") as client:
         assert client.generate(PROMPT, max_tokens=4).num_output_tokens == 4

@@ -16,8 +16,9 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 # Light imports only: this model holds no weights.
+from kvpop.serving.drain import DrainSignal
 from kvpop.serving.errors import tagged
-from kvpop.serving.forwarder import EngineForwarder, ForwardJob
+from kvpop.serving.forwarder import EngineForwarder, ForwardError, ForwardJob
 from kvpop.serving.frontend import engine_prompts
 from kvpop.serving.request import InvalidRequestError, parse_parameters
 
@@ -64,6 +65,7 @@ class TritonPythonModel:
             labels={"model": args["model_name"], "instance": args["model_instance_name"]})
         self.lock = threading.Lock()
         self.stopping = threading.Event()
+        self.drain = DrainSignal()  # the supervisor's: past its deadline, whatever still waits fails now
         self.watcher = threading.Thread(target=self._watch_cancellations, name="kvpop-cancel-watch", daemon=True)
         self.watcher.start()
 
@@ -116,6 +118,9 @@ class TritonPythonModel:
     def _watch_cancellations(self):
         cancelled = set()
         while not self.stopping.wait(CANCEL_POLL_SECONDS):
+            if self.drain.deadline_passed() and self.in_flight:
+                self.forwarder.fail_all(ForwardError("overloaded", tagged(
+                    "overloaded", "the server is restarting or shutting down; retry")))
             with self.lock:
                 held_requests = list(self.in_flight.items())
             cancelled &= {job_id for job_id, _ in held_requests}

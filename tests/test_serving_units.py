@@ -138,3 +138,15 @@ def test_the_serving_runtime_imports_no_torch():
     code = ("import sys, kvpop.serving.service, kvpop.serving.worker, kvpop.serving.metrics, kvpop.scorer.runtime; "
             "print('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+def test_error_tags_mean_the_same_on_the_server_and_in_the_client():
+    from kvpop.serving.errors import ERROR_STATUS, ERROR_TAGS, kind_of, tagged
+    from kvpop_client.errors import ERROR_TAG_STATUS, status_from_message
+
+    assert ERROR_TAG_STATUS == {ERROR_TAGS[kind]: ERROR_STATUS[kind] for kind in ERROR_TAGS}
+    for kind in ERROR_TAGS:
+        message = tagged(kind, "max_tokens must be in [1, 64]")
+        assert kind_of(message) == kind and tagged(kind, message) == message
+        assert status_from_message(f"[StatusCode.UNKNOWN] {message}") == ERROR_STATUS[kind]
+    assert kind_of("something untagged") == "internal"

@@ -150,3 +150,45 @@ def test_error_tags_mean_the_same_on_the_server_and_in_the_client():
         assert kind_of(message) == kind and tagged(kind, message) == message
         assert status_from_message(f"[StatusCode.UNKNOWN] {message}") == ERROR_STATUS[kind]
     assert kind_of("something untagged") == "internal"
+
+
+def test_front_end_splits_a_batch_and_types_its_parameters():
+    from kvpop.serving.frontend import engine_prompts
+
+    dtypes = {"text_input": np.dtype(object), "temperature": np.dtype(np.float32), "kv_budget": np.dtype(np.int32),
+              "eviction_policy": np.dtype(object), "stop": np.dtype(object)}
+    text = np.array([[b"a"], [b"b"]], dtype=object)
+    prompts, forwarded = engine_prompts({"text_input": text},
+                                        {"temperature": 1.5, "kv_budget": 64, "eviction_policy": "h2o",
+                                         "stop": ["\n"], "confidence_threshold": 0.9}, dtypes)
+    assert [prompt["text_input"].tolist() for prompt in prompts] == [[[b"a"]], [[b"b"]]]
+    assert prompts[1]["temperature"].dtype == np.float32 and prompts[1]["temperature"][0, 0] == 1.5
+    assert prompts[0]["kv_budget"].tolist() == [[64]] and prompts[0]["eviction_policy"].tolist() == [[b"h2o"]]
+    assert prompts[0]["stop"].tolist() == [[b"\n"]]
+    assert forwarded == {"confidence_threshold": 0.9}  # unknown: passed on, ignored by the engine
+
+
+@pytest.mark.parametrize("inputs, parameters, message", [
+    ({"text_input": np.array([[b"a"]], dtype=object)}, {"stream": True}, "kvpop_engine"),
+    ({"text_input": np.array([[b"a"]], dtype=object)}, {"kv_budget": 1.5}, "integer"),
+    ({"text_input": np.array([[b"a"]], dtype=object)}, {"kv_budget": 2**40}, "out of range"),
+    ({"text_input": np.array([[b"a"]], dtype=object)}, {"temperature": [1]}, "string, number or boolean"),
+    ({"text_input": np.array([[b"a"], [b"b"]], dtype=object), "max_tokens": np.array([[1], [2], [3]], np.int32)}, {},
+     "disagree"),
+    ({}, {}, "send text_input"),
+])
+def test_front_end_refuses_what_it_cannot_forward(inputs, parameters, message):
+    from kvpop.serving.frontend import engine_prompts
+
+    dtypes = {"kv_budget": np.dtype(np.int32), "temperature": np.dtype(np.float32)}
+    with pytest.raises(InvalidRequestError, match=message):
+        engine_prompts(inputs, parameters, dtypes)
+
+
+def test_batched_answers_are_padded_to_the_longest():
+    from kvpop.serving.forwarder import PAD_TOKEN_ID, merge_answers
+
+    merged = merge_answers([{"output_ids": np.array([[1, 2, 3]]), "num_output_tokens": np.array([[3]])},
+                            {"output_ids": np.array([[4]]), "num_output_tokens": np.array([[1]])}])
+    assert merged["output_ids"].tolist() == [[1, 2, 3], [4, PAD_TOKEN_ID, PAD_TOKEN_ID]]
+    assert merged["num_output_tokens"].tolist() == [[3], [1]]

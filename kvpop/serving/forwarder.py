@@ -22,9 +22,6 @@ import numpy as np
 
 from kvpop.serving.errors import kind_of, tagged
 
-# The engine's outputs, in the order the front end answers them.
-OUTPUT_NAMES = ("text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens", "kv_budget",
-                "peak_kv_bytes", "tokens_evicted", "compression", "tokens_reused", "tokens_computed")
 PAD_TOKEN_ID = -1  # pads output_ids when the prompts of one batched request get answers of unequal length
 
 
@@ -51,7 +48,7 @@ class ForwardJob:
 def merge_answers(answers: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """Stack per-prompt answers (each with batch dimension 1) into one batch, padding output_ids."""
     merged = {}
-    for name in OUTPUT_NAMES:
+    for name in answers[0]:
         arrays = [answer[name] for answer in answers]
         if name == "output_ids":
             width = max(array.shape[1] for array in arrays)
@@ -67,8 +64,9 @@ class EngineForwarder:
     `on_done` runs on the forwarder's loop thread; it must not block for long.
     """
 
-    def __init__(self, url: str, engine_model: str, max_in_flight: int) -> None:
+    def __init__(self, url: str, engine_model: str, max_in_flight: int, output_names: list[str]) -> None:
         self.url, self.engine_model, self.max_in_flight = url, engine_model, max_in_flight
+        self.output_names = list(output_names)  # the front end's outputs, which the engine also has
         self._loop = asyncio.new_event_loop()
         self._ids = itertools.count(1)
         self._tasks: dict[int, asyncio.Task] = {}  # loop thread only
@@ -163,7 +161,7 @@ class EngineForwarder:
             tensor = grpc_client.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
             tensor.set_data_from_numpy(array)
             tensors.append(tensor)
-        outputs = [grpc_client.InferRequestedOutput(name) for name in OUTPUT_NAMES]
+        outputs = [grpc_client.InferRequestedOutput(name) for name in self.output_names]
 
         async def one_request():
             yield {"model_name": self.engine_model, "inputs": tensors, "outputs": outputs,
@@ -178,7 +176,7 @@ class EngineForwarder:
                     raise ForwardError(kind_of(message), message)
                 finish = result.as_numpy("finish_reason")
                 if finish is not None and finish.reshape(-1)[0]:  # the engine's one final answer
-                    final = {name: result.as_numpy(name) for name in OUTPUT_NAMES}
+                    final = {name: result.as_numpy(name) for name in self.output_names}
                     break
         finally:
             responses.cancel()  # ends the stream; a no-op once the engine has answered

@@ -46,7 +46,6 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException("kvpop_service: max_in_flight_requests must be an integer > 0") from None
         # The launcher tells the model where this server's own gRPC endpoint is.
         url = os.environ.get("KVPOP_ENGINE_GRPC_URL") or parameters.get("engine_grpc_url", "127.0.0.1:8001")
-        self.forwarder = EngineForwarder(url, parameters.get("engine_model", "kvpop_engine"), max_in_flight)
         self.input_dtypes = {
             tensor["name"]: np.dtype(pb_utils.triton_string_to_numpy(tensor["data_type"]))
             for tensor in model_config["input"]
@@ -54,6 +53,8 @@ class TritonPythonModel:
         self.output_dtypes = {
             tensor["name"]: pb_utils.triton_string_to_numpy(tensor["data_type"]) for tensor in model_config["output"]
         }
+        self.forwarder = EngineForwarder(url, parameters.get("engine_model", "kvpop_engine"), max_in_flight,
+                                         output_names=list(self.output_dtypes))
         self.in_flight = {}  # job id -> the client's request, while the engine works on it
         # The family must outlive its metric (the stub refuses, and the server may crash, otherwise).
         self.in_flight_family = pb_utils.MetricFamily(

@@ -23,6 +23,7 @@ ENGINE_MODEL = "kvpop_engine"
 DEFAULT_URLS = {"http": "localhost:8000", "grpc": "localhost:8001"}
 STATISTICS = ("finish_reason", "num_input_tokens", "num_output_tokens", "kv_budget", "peak_kv_bytes",
               "tokens_evicted", "compression")
+SESSION_STATISTICS = ("tokens_reused", "tokens_computed")  # absent from servers before sessions
 
 # Optional request inputs: name -> (Triton datatype, numpy dtype).
 OPTIONAL_INPUTS: dict[str, tuple[str, Any]] = {
@@ -183,7 +184,7 @@ class KVpopClient:
                     if is_final:
                         break
                     continue
-                values = {name: _first(result.as_numpy(name)) for name in ("text_output", "output_ids", *STATISTICS)}
+                values = {name: _first(result.as_numpy(name)) for name in ("text_output", "output_ids", *STATISTICS, *SESSION_STATISTICS)}
                 chunk = _chunk(values, chunks, max_tokens)
                 chunks.append(chunk)
                 yield chunk
@@ -247,6 +248,7 @@ def _chunk(values: dict, previous: list[StreamChunk], max_tokens: int | None) ->
     if reason is None:
         return chunk
     final = {name: np.asarray(values[name]).reshape(-1)[0] for name in STATISTICS}
+    final.update({name: np.asarray(values[name]).reshape(-1)[0] for name in SESSION_STATISTICS if values.get(name) is not None})
     final["finish_reason"] = reason
     result = assemble_stream([*previous, chunk], final, max_tokens)
     return StreamChunk(chunk.text, chunk.token_ids, reason, result)

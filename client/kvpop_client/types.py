@@ -112,6 +112,8 @@ def assemble_stream(chunks: list[StreamChunk], final: dict, max_tokens: int | No
         peak_kv_bytes=int(final["peak_kv_bytes"]),
         tokens_evicted=int(final["tokens_evicted"]),
         compression=float(final["compression"]),
+        tokens_reused=int(final.get("tokens_reused", 0)),
+        tokens_computed=int(final.get("tokens_computed", 0)),
     )
     generation.validate(max_tokens)
     return generation

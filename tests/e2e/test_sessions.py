@@ -126,3 +126,12 @@ def test_sigkill_between_turns_then_restart_continues_every_checkpointed_session
             cold = client.generate(prompt, max_tokens=REPLY, ignore_eos=True)
             assert resumed.output_ids == cold.output_ids
             assert resumed.tokens_reused == len(history) - 1
+
+
+def test_a_streamed_turn_reports_tokens_reused_and_computed(kvpop_grpc):
+    first = kvpop_grpc.generate(user_turn(0), max_tokens=4, ignore_eos=True, session_id="streamed")
+    prompt = user_turn(0) + first.output_ids + [9, 10]
+    chunks = list(kvpop_grpc.stream(prompt, 4, ignore_eos=True, session_id="streamed"))
+    result = chunks[-1].result
+    assert result.output_ids == kvpop_grpc.generate(prompt, max_tokens=4, ignore_eos=True).output_ids
+    assert result.tokens_reused == len(user_turn(0)) + 3 and result.tokens_computed == len(prompt) - result.tokens_reused

@@ -15,7 +15,7 @@ CONFIG ?= auto
 PID_FILE := run/tritonserver.pid
 
 .PHONY: help setup model export serve serve-bg stop test test-unit test-e2e clean reference-model eval-reference \
-	train-scorer eval-real tasks eval-sweep kvpress-env eval-kvpress speed speed-quick bench-service bench-profile loadtest \
+	train-scorer eval-real tasks eval-sweep kvpress-env eval-kvpress speed speed-quick bench-service bench-sessions bench-profile loadtest \
 	system-deps image image-lb test-cluster load-time test-faults test-fuzz stress soak
 
 REFERENCE := models/reference
@@ -188,6 +188,11 @@ bench-service: setup  ## the real server (full, kvpop at 88%) vs FastAPI + HF ge
 	@test -f $(BENCH_MODEL)/model_spec.json || $(PY) -m export --model $(BENCH_HF) --output $(BENCH_MODEL)
 	@test -f $(BENCH_MODEL)/decoder_step.last.onnx || $(PY) -m export.step_variants $(BENCH_MODEL)
 	$(PY) -m benchmarks.bench_service --model $(BENCH_MODEL) --hf-model $(BENCH_HF) --out-dir docs/benchmarks $(BENCH_ARGS)
+
+SESSION_MODEL ?= build/reference-export
+bench-sessions: setup  ## TTFT per turn of a 10-turn conversation, sessions vs resending the whole history: docs/benchmarks/session_ttft.*
+	@test -f $(SESSION_MODEL)/model_spec.json || $(PY) -m export --model $(REFERENCE) --output $(SESSION_MODEL)
+	$(PY) -m benchmarks.session_ttft --model $(SESSION_MODEL) --out-dir docs/benchmarks
 
 bench-profile: setup  ## where an engine step's milliseconds go, one request and a loaded period: docs/benchmarks/profile_engine_after.*
 	@test -f $(BENCH_MODEL)/model_spec.json || $(PY) -m export --model $(BENCH_HF) --output $(BENCH_MODEL)

@@ -192,3 +192,54 @@ def test_batched_answers_are_padded_to_the_longest():
                             {"output_ids": np.array([[4]]), "num_output_tokens": np.array([[1]])}])
     assert merged["output_ids"].tolist() == [[1, 2, 3], [4, PAD_TOKEN_ID, PAD_TOKEN_ID]]
     assert merged["num_output_tokens"].tolist() == [[3], [1]]
+
+
+# The TensorRT-LLM / vLLM style inputs that benchmark tools send (docs/benchmarks/TOOLS.md).
+def test_a_non_empty_text_input_wins_over_input_ids_and_a_blank_one_gives_way(tokenizer):
+    ids = np.array([5, 6, 7, 8])
+    parsed = parse(tokenizer, text_input=np.array([b"Let a = 7."], dtype=object), input_ids=ids)
+    assert parsed.generation.prompt_ids == tokenizer("Let a = 7.").input_ids
+    parsed = parse(tokenizer, text_input=np.array([b" \x00"], dtype=object), input_ids=ids)
+    assert parsed.generation.prompt_ids == [5, 6, 7, 8]
+
+
+def test_zero_and_blank_optional_inputs_mean_not_sent(tokenizer):
+    blank = np.array([b" "], dtype=object)
+    parsed = parse(tokenizer, input_ids=np.array([0, 0, 0]), max_tokens=np.array([0], np.int32),
+                   top_p=np.array([0.0], np.float32), kv_budget=np.array([0], np.int32),
+                   compression_ratio=np.array([0.0], np.float32), eviction_policy=blank, session_id=blank,
+                   messages=blank, sampling_parameters=blank, stop=blank, min_length=np.array([0], np.int32),
+                   beam_width=np.array([0], np.int32), repetition_penalty=np.array([0.0], np.float32),
+                   exclude_input_in_output=np.array([True]))
+    assert parsed.generation.sampling.max_tokens == CONFIG.default_max_tokens
+    assert parsed.generation.session_id is None and parsed.generation.sampling.stop == ()
+    assert not parsed.echo_prompt
+
+
+def test_min_length_equal_to_max_tokens_ignores_eos_and_sampling_parameters_merge(tokenizer):
+    text = np.array([b"Let a = 7."], dtype=object)
+    parsed = parse(tokenizer, text_input=text, max_tokens=np.array([6], np.int32), min_length=np.array([6], np.int32))
+    assert parsed.generation.sampling.ignore_eos and parsed.generation.sampling.max_tokens == 6
+    sampling = np.array([b'{"max_tokens": 5, "min_tokens": 5, "temperature": 0.5, "n": 1}'], dtype=object)
+    parsed = parse(tokenizer, text_input=text, sampling_parameters=sampling)
+    assert parsed.generation.sampling.max_tokens == 5 and parsed.generation.sampling.ignore_eos
+    assert parsed.generation.sampling.temperature == 0.5
+    parsed = parse(tokenizer, text_input=text, exclude_input_in_output=np.array([False]))
+    assert parsed.echo_prompt
+
+
+@pytest.mark.parametrize("tensors, message", [
+    ({"beam_width": np.array([4], np.int32)}, "beam_width"),
+    ({"repetition_penalty": np.array([1.2], np.float32)}, "repetition_penalty"),
+    ({"presence_penalty": np.array([0.1], np.float32)}, "presence_penalty"),
+    ({"frequency_penalty": np.array([-0.1], np.float32)}, "frequency_penalty"),
+    ({"min_length": np.array([2], np.int32), "max_tokens": np.array([6], np.int32)}, "min_length"),
+    ({"min_tokens": np.array([9], np.int32), "max_tokens": np.array([6], np.int32)}, "larger than max_tokens"),
+    ({"sampling_parameters": np.array([b'{"best_of": 3}'], dtype=object)}, "best_of"),
+    ({"sampling_parameters": np.array([b'{"logprobs": 3}'], dtype=object)}, "unsupported keys"),
+    ({"sampling_parameters": np.array([b"[1]"], dtype=object)}, "JSON object"),
+    ({"exclude_input_in_output": np.array([False]), "stream": np.array([True])}, "complete answers only"),
+])
+def test_unsupported_tool_settings_are_refused(tokenizer, tensors, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        parse(tokenizer, text_input=np.array([b"Let a = 7."], dtype=object), **tensors)

@@ -34,6 +34,27 @@ SCALAR_INPUTS: dict[str, type] = {
     "compression_ratio": float,
     "session_id": str,  # keep this conversation's cache between turns (kvpop.sessions)
     "session_close": bool,  # the session's last turn: forget it afterwards
+    # What the TensorRT-LLM / vLLM backends take and genai-perf / perf_analyzer send. Each is honoured
+    # or refused (400) when it asks for something this engine does not do; never silently ignored.
+    "exclude_input_in_output": bool,  # true (or absent) only: answers never repeat the prompt
+    "min_length": int,  # TensorRT-LLM: 0 or absent, or a value equal to the output length
+    "min_tokens": int,  # vLLM's name for min_length
+    "beam_width": int,  # 1 (or 0/absent): greedy or sampled decoding, no beam search
+    "repetition_penalty": float,  # 1.0 (or 0/absent): no penalty
+    "presence_penalty": float,  # 0.0 (or absent)
+    "frequency_penalty": float,  # 0.0 (or absent)
+}
+
+# Inputs whose zero value (0, 0.0 or "") means "not sent".
+UNSET_WHEN_ZERO = (
+    "max_tokens", "top_p", "eviction_policy", "kv_budget", "compression_ratio", "session_id",
+    "min_length", "min_tokens", "beam_width", "repetition_penalty",
+)
+
+# vLLM's `sampling_parameters` (one JSON object) keys this service reads; others are refused.
+SAMPLING_PARAMETER_KEYS = {
+    "max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "stop", "min_tokens",
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "n", "best_of",
 }
 
 
@@ -45,6 +66,7 @@ MAX_STOP_LENGTH = 256
 class ParsedRequest:
     generation: GenerationRequest
     stream: bool
+    echo_prompt: bool = False  # exclude_input_in_output=false: the answer starts with the prompt
 
 
 def _decode_utf8(value: Any, name: str) -> str:
@@ -105,6 +127,8 @@ def chat_prompt(get_input: Callable[[str], np.ndarray | None], parameters: dict[
     tensor = get_input("messages")
     if tensor is None and "messages" not in parameters:
         return None
+    if tensor is not None and tensor.size == 1 and _blank(_decode_utf8(tensor.reshape(-1)[0], "messages")):
+        return None  # an empty messages input (perf_analyzer's zero data) is not sent
     if tensor is not None and tensor.size != 1:
         raise InvalidRequestError(f"messages must hold exactly one JSON string, got shape {list(tensor.shape)}")
     raw = tensor.reshape(-1)[0] if tensor is not None else parameters["messages"]
@@ -124,6 +148,7 @@ def parse_request(
     kvpop_scorer: str = "accumulated_attention",
 ) -> ParsedRequest:
     """Validate inputs and build the engine request. `get_input(name)` returns a numpy array or None."""
+    parameters = _merge_sampling_parameters(get_input("sampling_parameters"), parameters)
     text = get_input("text_input")
     ids = get_input("input_ids")
     if text is None and "text_input" in parameters:
@@ -133,6 +158,13 @@ def parse_request(
         if text is not None or ids is not None:
             raise InvalidRequestError("send exactly one of text_input, input_ids or messages")
         text = chat
+    if text is not None and ids is not None:
+        # perf_analyzer fills every optional input: a non-empty text_input wins over input_ids;
+        # an empty text_input gives way to them.
+        if _non_empty_text(text):
+            ids = None
+        else:
+            text = None
     if (text is None) == (ids is None):
         raise InvalidRequestError("send exactly one of text_input (BYTES) or input_ids (INT32 [1, N])")
 
@@ -166,13 +198,18 @@ def parse_request(
         )
 
     values = {name: _scalar(name, get_input(name), parameters.get(name)) for name in SCALAR_INPUTS}
+    # perf_analyzer fills every optional input with zeros or empty strings: where zero or "" is not a
+    # meaningful setting it means "not sent" (max_tokens 0 is the default, eviction_policy "" too).
+    for name in UNSET_WHEN_ZERO:
+        if values[name] in (0, 0.0) or (isinstance(values[name], str) and _blank(values[name])):
+            values[name] = None
     stop_tensor = get_input("stop")
     stop: tuple[str, ...] = ()
     if stop_tensor is not None:
         stop = tuple(_decode_utf8(item, "stop") for item in stop_tensor.reshape(-1))
     elif isinstance(parameters.get("stop"), (list, str)):
         stop = tuple([parameters["stop"]] if isinstance(parameters["stop"], str) else map(str, parameters["stop"]))
-    stop = tuple(item for item in stop if item)
+    stop = tuple(item for item in stop if item.strip(" \x00"))  # "" or spaces (perf_analyzer's filler): none
     # Stop strings are matched against the decoded tail every step: bound their cost.
     if len(stop) > MAX_STOP_STRINGS or any(len(item) > MAX_STOP_LENGTH for item in stop):
         raise InvalidRequestError(f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} characters")
@@ -180,6 +217,7 @@ def parse_request(
     max_tokens = values["max_tokens"] if values["max_tokens"] is not None else config.default_max_tokens
     if not 1 <= max_tokens <= config.max_output_tokens:
         raise InvalidRequestError(f"max_tokens must be in [1, {config.max_output_tokens}], got {max_tokens}")
+    ignore_eos = bool(values["ignore_eos"]) or _check_tool_inputs(values, max_tokens)
     try:
         sampling = SamplingParams(
             temperature=values["temperature"] if values["temperature"] is not None else 0.0,
@@ -188,7 +226,7 @@ def parse_request(
             seed=values["seed"],
             max_tokens=max_tokens,
             stop=stop,
-            ignore_eos=bool(values["ignore_eos"]),
+            ignore_eos=ignore_eos,
         )
         policy = values["eviction_policy"] or config.default_policy
         budget, compression = values["kv_budget"], values["compression_ratio"]
@@ -212,4 +250,74 @@ def parse_request(
         raise InvalidRequestError("session_close needs a session_id")
     generation = GenerationRequest(request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, cache=cache,
                                    session_id=session_id, end_session=bool(values["session_close"]))
-    return ParsedRequest(generation=generation, stream=bool(values["stream"]))
+    echo_prompt = values["exclude_input_in_output"] is False
+    if echo_prompt and values["stream"]:
+        raise InvalidRequestError("exclude_input_in_output=false is supported for complete answers only, not streams")
+    return ParsedRequest(generation=generation, stream=bool(values["stream"]), echo_prompt=echo_prompt)
+
+
+def _non_empty_text(text: np.ndarray) -> bool:
+    return text.size == 1 and not _blank(_decode_utf8(text.reshape(-1)[0], "text_input"))
+
+
+def _blank(value: str) -> bool:
+    """Empty, whitespace or NUL only: perf_analyzer's zero data for strings."""
+    return not value.strip(" \t\r\n\x00")
+
+
+def _merge_sampling_parameters(tensor: np.ndarray | None, parameters: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's `sampling_parameters` (a JSON object, input tensor or request parameter) as request
+    parameters; a request parameter of the same name wins."""
+    raw = tensor.reshape(-1)[0] if tensor is not None and tensor.size == 1 else parameters.get("sampling_parameters")
+    if tensor is not None and tensor.size != 1:
+        raise InvalidRequestError(f"sampling_parameters must hold one JSON string, got shape {list(tensor.shape)}")
+    if raw is None:
+        return parameters
+    if isinstance(raw, dict):
+        sampling = raw
+    else:
+        text = _decode_utf8(raw, "sampling_parameters")
+        if _blank(text):
+            return parameters
+        try:
+            sampling = json.loads(text)
+        except json.JSONDecodeError:
+            raise InvalidRequestError(f"sampling_parameters is not valid JSON: {text[:40]!r}") from None
+    if not isinstance(sampling, dict):
+        raise InvalidRequestError("sampling_parameters must be a JSON object")
+    unknown = sorted(set(sampling) - SAMPLING_PARAMETER_KEYS)
+    if unknown:
+        raise InvalidRequestError(f"sampling_parameters: unsupported keys {unknown}")
+    for key in ("n", "best_of"):
+        if sampling.get(key, 1) not in (1, None):
+            raise InvalidRequestError(f"sampling_parameters.{key} must be 1: one sequence per request")
+    merged = {key: value for key, value in sampling.items() if key not in ("n", "best_of") and value is not None}
+    merged.update({key: value for key, value in parameters.items() if key != "sampling_parameters"})
+    return merged
+
+
+def _check_tool_inputs(values: dict[str, Any], max_tokens: int) -> bool:
+    """Refuse what the TensorRT-LLM / vLLM style inputs ask for that this engine does not do.
+    Returns True when a minimum length asks for exactly max_tokens tokens (generate them: ignore EOS)."""
+    if values["beam_width"] not in (None, 0, 1):
+        raise InvalidRequestError(f"beam_width must be 1: this engine does not do beam search, got {values['beam_width']}")
+    if values["repetition_penalty"] not in (None, 0.0, 1.0):
+        raise InvalidRequestError(f"repetition_penalty is not supported (send 1.0 or omit it), got {values['repetition_penalty']}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if values[name] not in (None, 0.0):
+            raise InvalidRequestError(f"{name} is not supported (send 0 or omit it), got {values[name]}")
+    exact = False
+    for name in ("min_length", "min_tokens"):
+        minimum = values[name]
+        if minimum is None or minimum == 0:
+            continue
+        if minimum < 0:
+            raise InvalidRequestError(f"{name} must be >= 0, got {minimum}")
+        if minimum > max_tokens:
+            raise InvalidRequestError(f"{name} ({minimum}) is larger than max_tokens ({max_tokens})")
+        if minimum != max_tokens:
+            raise InvalidRequestError(
+                f"{name} is supported only equal to max_tokens (exactly that many tokens, as benchmarks ask), "
+                f"got {name}={minimum}, max_tokens={max_tokens}; or use ignore_eos")
+        exact = True
+    return exact

@@ -309,8 +309,11 @@ class EngineWorker:
             ids = [event.token_id] if event.token_id != NO_TOKEN else []
             tensors = output_tensors(delta + tail, ids, result.finish_reason, len(result.prompt_ids), len(result.output_ids), result)
         else:
-            text = self.tokenizer.decode(result.output_ids, skip_special_tokens=True)
-            tensors = output_tensors(text, result.output_ids, result.finish_reason, len(result.prompt_ids), len(result.output_ids), result)
+            ids = list(result.output_ids)
+            if parsed.echo_prompt:  # exclude_input_in_output=false (TensorRT-LLM): prompt, then answer
+                ids = list(result.prompt_ids) + ids
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            tensors = output_tensors(text, ids, result.finish_reason, len(result.prompt_ids), len(result.output_ids), result)
         generated = len(result.output_ids)
         time_per_token = (now - active.first_token_at) / (generated - 1) if active.first_token_at and generated > 1 else None
         self.metrics.observe_finished(result, now - active.pending.arrived, time_per_token, len(result.prompt_ids))

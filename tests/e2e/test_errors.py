@@ -25,20 +25,22 @@ def tensor(module, name, value, datatype):
 GOOD_TEXT = ("text_input", [[b"Let a = 7."]], "BYTES")
 BAD_REQUESTS = {
     "no prompt": ([("max_tokens", [[4]], "INT32")], "exactly one of text_input"),
-    "both prompts": ([GOOD_TEXT, ("input_ids", [[1, 2]], "INT32")], "exactly one of text_input"),
+    # text_input and input_ids together: a non-empty text_input wins (perf_analyzer sends both)
+    "text and messages": ([GOOD_TEXT, ("messages", [[b'[{"role": "user", "content": "hi"}]']], "BYTES")],
+                          "exactly one of text_input"),
     "empty text": ([("text_input", [[b"   "]], "BYTES")], "empty"),
     "empty ids": ([("input_ids", np.zeros((1, 0), np.int32), "INT32")], "input_ids is empty"),
     "invalid utf-8": ([("text_input", [[b"\xff\xfe bad"]], "BYTES")], "not valid UTF-8"),
     "oversized prompt": ([("input_ids", [list(range(3, 303)) * 2], "INT32")], "at most 512"),
     "token out of vocabulary": ([("input_ids", [[1, 2, 99999]], "INT32")], "out of range"),
     "negative temperature": ([GOOD_TEXT, ("temperature", [[-1.0]], "FP32")], "temperature"),
-    "top_p zero": ([GOOD_TEXT, ("top_p", [[0.0]], "FP32")], "top_p"),
+    "top_p above one": ([GOOD_TEXT, ("top_p", [[1.5]], "FP32")], "top_p"),  # 0 means not sent (perf_analyzer)
     "negative top_k": ([GOOD_TEXT, ("top_k", [[-3]], "INT32")], "top_k"),
     "negative seed": ([GOOD_TEXT, ("temperature", [[1.0]], "FP32"), ("seed", [[-5]], "INT64")], "seed"),
-    "max_tokens zero": ([GOOD_TEXT, ("max_tokens", [[0]], "INT32")], "max_tokens"),
+    "max_tokens negative": ([GOOD_TEXT, ("max_tokens", [[-1]], "INT32")], "max_tokens"),  # 0: the default
     "max_tokens huge": ([GOOD_TEXT, ("max_tokens", [[100000]], "INT32")], "max_tokens"),
     "unknown policy": ([GOOD_TEXT, ("eviction_policy", [[b"lru"]], "BYTES")], "unknown eviction policy"),
-    "zero budget": ([GOOD_TEXT, ("eviction_policy", [[b"h2o"]], "BYTES"), ("kv_budget", [[0]], "INT32")], "budget"),
+    "negative budget": ([GOOD_TEXT, ("eviction_policy", [[b"h2o"]], "BYTES"), ("kv_budget", [[-1]], "INT32")], "budget"),
     "compression above one": ([GOOD_TEXT, ("eviction_policy", [[b"tova"]], "BYTES"),
                                ("compression_ratio", [[1.5]], "FP32")], "compression"),
     "budget with full": ([GOOD_TEXT, ("kv_budget", [[16]], "INT32")], "full"),

@@ -89,7 +89,7 @@ def test_infinite_temperature_is_refused_on_every_transport(kvpop_http, kvpop_gr
 def test_streamed_errors_carry_their_kind(kvpop_http, kvpop_grpc, protocol):
     client = kvpop_http if protocol == "http" else kvpop_grpc
     with pytest.raises(KVpopServerError, match="max_tokens") as raised:
-        list(client.stream("Let a = 7.", max_tokens=0))
+        list(client.stream("Let a = 7.", max_tokens=-1))
     assert raised.value.status == "INVALID_ARGUMENT"  # Triton's stream carries no code: the tag does
 
 

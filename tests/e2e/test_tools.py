@@ -72,9 +72,9 @@ def test_genai_perf_kserve_tensorrtllm_request(triton_server):
 
 
 def test_genai_perf_kserve_vllm_request(triton_server):
-    """genai-perf --backend vllm: text_input, stream, exclude_input_in_output and sampling_parameters
-    (JSON with max_tokens, min_tokens, ignore_eos)."""
-    sampling = json.dumps({"max_tokens": 8, "min_tokens": 8, "ignore_eos": True})
+    """genai-perf 0.0.16 --backend vllm --output-tokens-mean 8 --output-tokens-mean-deterministic: text_input,
+    stream, exclude_input_in_output and sampling_parameters, its numbers as JSON strings (its inputs.json)."""
+    sampling = '{"max_tokens":"8","min_tokens":"8"}'
     inputs = [_input("text_input", PROMPT.encode(), "BYTES"), _input("stream", True, "BOOL"),
               _input("exclude_input_in_output", True, "BOOL"),
               _input("sampling_parameters", sampling.encode(), "BYTES")]
@@ -92,15 +92,18 @@ def _post(url, body):
 
 
 def test_genai_perf_generate_mode(triton_server):
-    """genai-perf --endpoint-type generate: POST /generate (service) and /generate_stream (engine)."""
+    """genai-perf --endpoint-type generate: POST /generate (service) and, with --streaming and
+    --endpoint v2/models/kvpop_engine/generate_stream, the engine's SSE stream (its inputs.json)."""
     base = f"http://{triton_server.http_url}/v2/models"
+    status, body = _post(f"{base}/kvpop_service/generate", {"text_input": [PROMPT], "max_tokens": 8})
+    assert status == 200, body
     status, body = _post(f"{base}/kvpop_service/generate",
                          {"text_input": PROMPT, "max_tokens": 8, "min_length": 8, "exclude_input_in_output": True})
     assert status == 200, body
     answer = json.loads(body)
     assert answer["num_output_tokens"] == 8
     status, body = _post(f"{base}/kvpop_engine/generate_stream",
-                         {"text_input": PROMPT, "max_tokens": 8, "stream": True, "exclude_input_in_output": True})
+                         {"text_input": [PROMPT], "stream": True, "max_tokens": 8})
     assert status == 200, body
     assert body.count("data:") >= 2
 

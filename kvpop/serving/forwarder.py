@@ -179,7 +179,8 @@ class EngineForwarder:
                     final = {name: result.as_numpy(name) for name in self.output_names}
                     break
         finally:
-            responses.cancel()  # ends the stream; a no-op once the engine has answered
+            if final is None:  # the client went away or the stream broke: the engine frees the slots
+                responses.cancel()
         if final is None:
             raise ForwardError("internal", tagged("internal", f"{self.engine_model} sent no answer"))
         return final

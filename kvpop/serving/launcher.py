@@ -21,6 +21,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 NGC_TRITON_HOME = Path("/opt/tritonserver")
@@ -38,6 +40,37 @@ SHM_DIR = Path("/dev/shm")
 
 class LauncherError(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class StubProcess:
+    pid: int
+    model: str  # e.g. kvpop_engine (from the stub's model.py path)
+    shm_region: str  # its shared-memory region name in /dev/shm
+
+    @classmethod
+    def from_process(cls, process: psutil.Process) -> "StubProcess | None":
+        try:
+            command = process.cmdline()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return None
+        if not command or not command[0].endswith(STUB_BINARY) or len(command) < 3:
+            return None
+        return cls(process.pid, Path(command[1]).parent.parent.name, command[2])
+
+    def is_alive(self) -> bool:
+        try:
+            return psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+
+def stub_processes(server_pid: int) -> list[StubProcess]:
+    try:
+        children = psutil.Process(server_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    return [stub for stub in map(StubProcess.from_process, children) if stub is not None]
 
 
 def remove_shm_regions(regions: list[str]) -> None:
@@ -224,22 +257,8 @@ class TritonServer:
         remove_shm_regions(regions)
 
     def shm_regions(self) -> list[str]:
-        """The shared-memory regions of this server's Python backend stubs (from their command lines)."""
-        import psutil
-
-        try:
-            children = psutil.Process(self.process.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            return []
-        regions = []
-        for child in children:
-            try:
-                command = child.cmdline()
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-            if len(command) > 2 and command[0].endswith(STUB_BINARY):
-                regions.append(command[2])
-        return regions
+        """The shared-memory regions of this server's Python backend stubs."""
+        return [stub.shm_region for stub in stub_processes(self.process.pid)]
 
     def kill_leftovers(self) -> None:
         """SIGKILL what is left of the server's process group: a stub orphaned by a crashed server

@@ -19,48 +19,15 @@ import signal
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import psutil
 
 from kvpop.serving.drain import DRAIN_FILE_ENV, DrainSignal
-from kvpop.serving.launcher import STUB_BINARY, LauncherError, TritonServer, remove_shm_regions
+from kvpop.serving.launcher import LauncherError, StubProcess, TritonServer, remove_shm_regions, stub_processes
 RESTART_NOTICE_SECONDS = 0.5  # the front end's watcher polls every 0.1 s
 # Gauges that say whether any request is still being served (summed over instances).
 BUSY_GAUGES = ("kvpop_active_sequences", "kvpop_queued_sequences", "kvpop_frontend_in_flight_requests")
-
-
-@dataclass(frozen=True)
-class StubProcess:
-    pid: int
-    model: str  # e.g. kvpop_engine (from the stub's model.py path)
-    shm_region: str  # its shared-memory region name in /dev/shm
-
-    @classmethod
-    def from_process(cls, process: psutil.Process) -> "StubProcess | None":
-        try:
-            command = process.cmdline()
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            return None
-        if not command or not command[0].endswith(STUB_BINARY) or len(command) < 3:
-            return None
-        return cls(process.pid, Path(command[1]).parent.parent.name, command[2])
-
-    def is_alive(self) -> bool:
-        try:
-            return psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
-
-
-def stub_processes(server_pid: int) -> list[StubProcess]:
-    try:
-        children = psutil.Process(server_pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-    return [stub for stub in map(StubProcess.from_process, children) if stub is not None]
 
 
 def busy_requests(metrics_url: str) -> float | None:

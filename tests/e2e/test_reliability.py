@@ -14,7 +14,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from kvpop.policies import POLICIES
-from kvpop_client import KVpopClient, KVpopServerError
+from kvpop_client import KVpopServerError
 from loadtest.stress import run_stress
 
 pytestmark = pytest.mark.server

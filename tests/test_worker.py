@@ -149,3 +149,32 @@ def test_cancellation_is_checked_at_most_every_interval_not_every_step(worker):
         time.sleep(0.01)
     cancelled.cancelled = True
     assert cancelled.done.wait(10) and cancelled.responses[-1]["finish_reason"][0, 0] == b"cancelled"
+
+
+def test_a_prompt_fed_in_several_chunks_never_waits_idle(tiny_onnx_model_dir, monkeypatch):
+    """Steps that only feed prompt chunks yield no token event; the worker must go straight on to the
+    next chunk. The idle wait is for requests waiting on KV memory only (it once cost a long prompt
+    one wait per chunk: most of its time to first token through the server)."""
+    from transformers import AutoTokenizer
+
+    from kvpop.serving import worker as worker_module
+
+    decoder = DecoderStep(tiny_onnx_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_onnx_model_dir / "tokenizer")
+    spec = ModelSpec.load(tiny_onnx_model_dir)
+    admission = KVPoolAdmission(AdmissionPolicy(1024 * spec.kv_bytes_per_token, 64, 1), spec)
+    idle_waits = []
+    real_sleep = time.sleep
+    monkeypatch.setattr(worker_module.time, "sleep", lambda seconds: (idle_waits.append(seconds), real_sleep(seconds)))
+    worker = EngineWorker(
+        lambda: Engine(decoder, tokenizer, prefill_chunk=8), tokenizer, admission, idle_wait=0.01
+    ).start()
+    try:
+        channel = ListChannel()
+        request = GenerationRequest("long", list(range(5, 69)), SamplingParams(max_tokens=4, ignore_eos=True))
+        worker.submit(ParsedRequest(request, stream=True), channel)  # 64 prompt tokens: 8 chunks of 8
+        assert channel.done.wait(30)
+        assert len(channel.ids()) == 4 and not channel.errors
+        assert idle_waits == []
+    finally:
+        worker.stop()

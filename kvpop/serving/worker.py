@@ -186,10 +186,10 @@ class EngineWorker:
                 if event.request_id in self._active:
                     self.engine.cancel(event.request_id)
                     self._finish_with_error(event.request_id, f"internal error: {error}", "internal")
-        in_use = self.engine.kv_bytes_in_use
-        if self.engine.sessions is not None:  # the hot session tier lives in the KV pool
-            in_use += self.engine.sessions.hot_bytes
-            self.metrics.observe_sessions(self.engine.sessions)
+        cache_manager = self.engine.cache_manager
+        in_use = cache_manager.kv_bytes_in_use + cache_manager.hot_session_bytes  # the hot session tier lives in the KV pool
+        if cache_manager.sessions is not None:
+            self.metrics.observe_sessions(cache_manager.sessions)
         with self._condition:
             self.admission.observe_engine(in_use)
             reserved, queued = self.admission.reserved_bytes, len(self._queue)
@@ -200,8 +200,11 @@ class EngineWorker:
             active=len(self._active),
             queued=queued,
         )
-        if not events:
-            time.sleep(self._idle_wait)  # only requests waiting for KV memory: nothing to compute
+        if not events and not self.engine.num_running:
+            # Only requests waiting for KV memory: nothing to compute until one finishes or leaves.
+            # (A step that fed a prompt chunk yields no event either, and must not wait: that wait,
+            # once per chunk, was most of a long prompt's time to first token through the server.)
+            time.sleep(self._idle_wait)
 
     def _shut_down(self) -> None:
         """Answer everything still held, so no client waits on a model that is gone."""

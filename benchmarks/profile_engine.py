@@ -60,7 +60,7 @@ _CLASSES_WRAPPED = []
 
 def instrument(engine: Engine) -> None:
     """Timers around the parts of a step (class attributes once, so every sequence's objects are covered)."""
-    wrap(engine.decoder, "run", "decoder (ONNX run + outputs to host)")  # run_pool calls run on the CPU
+    wrap(engine.decoder, "run", "decoder (ONNX run + outputs to host)")  # prefill and decode steps alike
     if not _CLASSES_WRAPPED:
         wrap(slot_cache_module.SlotCache, "append", "cache.append (policy + writes)")
         wrap(KVpopPolicy, "observe", "  kvpop policy.observe (incl. scorer)")

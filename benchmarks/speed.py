@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from kvpop.cache import SlotCache
+from kvpop.cache.manager import append_output
 from kvpop.decoder import DecoderStep
 from kvpop.engine import CacheConfig, Engine, GenerationRequest, SamplingParams, _Sequence
 from kvpop.sampling import Sampler
@@ -109,7 +110,7 @@ def prefill_snapshots(decoder: DecoderStep, cache: CacheConfig, prompt: list[int
         chunk = tokens[start : start + chunk_size]
         positions = np.arange(start, start + len(chunk), dtype=np.int64)
         out = decoder.run(chunk[None], positions[None], slot_cache.key[:, None], slot_cache.value[:, None], slot_cache.slot_mask()[None])
-        Engine._store(slot_cache, out, row=0)
+        append_output(slot_cache, out, row=0)
         if start + len(chunk) in wanted:
             snapshots[start + len(chunk)] = (copy.deepcopy(slot_cache), out.logits[0, -1].copy())
     missing = wanted - snapshots.keys()
@@ -245,7 +246,7 @@ def time_point(decoder, snapshots: dict, configs: dict, hf_model, prompt, batch:
             kv_bytes = 2 * decoder.spec.num_layers * batch * decoder.spec.num_kv_heads * snapshots["full"][0].length * decoder.spec.head_dim * decoder.dtype.itemsize
             rows[name] = {**summarize(values, batch), "kv_bytes": kv_bytes}
         else:
-            rows[name] = {**summarize(values, batch), "kv_bytes": engines[name].kv_bytes_in_use, "cache_slots": engines[name]._pool.slots}
+            rows[name] = {**summarize(values, batch), "kv_bytes": engines[name].kv_bytes_in_use, "cache_slots": engines[name].cache_manager.pool.slots}
     del engines, hf_base
     return rows
 

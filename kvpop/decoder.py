@@ -45,7 +45,9 @@ class DecoderStep:
     An export without them falls back to the full step (same values, more work).
 
     `resident`: keep the batch pool's cache in the decoder's device memory between steps (IO binding,
-    kvpop.cache.device_store). Default: on when the CUDA provider runs the step; "cpu" works too.
+    kvpop.cache.device_store). Default: on when the CUDA provider runs the step; "cpu" works too. The
+    decoder builds the `device_store` (it knows its provider and device); the engine's cache manager
+    keeps it in sync with the batch pool and hands `run` its device arrays.
     """
 
     def __init__(
@@ -110,8 +112,8 @@ class DecoderStep:
         self,
         input_ids: np.ndarray,  # (B, T) int64
         position_ids: np.ndarray,  # (B, T) int64
-        past_key: np.ndarray,  # (L, B, Hkv, S, D)
-        past_value: np.ndarray,  # (L, B, Hkv, S, D)
+        past_key: np.ndarray | ort.OrtValue,  # (L, B, Hkv, S, D); an OrtValue: the device-resident pool
+        past_value: np.ndarray | ort.OrtValue,  # (L, B, Hkv, S, D)
         slot_mask: np.ndarray,  # (B, S) bool
         last_only: bool = False,
         attention: bool = True,
@@ -119,6 +121,8 @@ class DecoderStep:
         """`last_only`: logits of the last new position only (B, 1, V); `attention`: False allows a
         step that returns no attention (None), for policies that never read it."""
         session = self._session(last_only, attention)
+        if isinstance(past_key, ort.OrtValue):
+            return self._run_bound(session, input_ids, position_ids, past_key, past_value, slot_mask, last_only)
         outputs = session.run(
             None,
             {
@@ -138,20 +142,17 @@ class DecoderStep:
             named["logits"] = named["logits"][:, -1:]
         return StepOutput(**named)
 
-    def run_pool(
+    def _run_bound(
         self,
+        session: ort.InferenceSession,
         input_ids: np.ndarray,
         position_ids: np.ndarray,
-        pool,
+        key: ort.OrtValue,
+        value: ort.OrtValue,
         slot_mask: np.ndarray,
-        last_only: bool = False,
-        attention: bool = True,
+        last_only: bool,
     ) -> StepOutput:
-        """A step over the batch pool's cache: on the device copy when resident, else the host arrays."""
-        if self.device_store is None:
-            return self.run(input_ids, position_ids, pool.key, pool.value, slot_mask, last_only, attention)
-        session = self._session(last_only, attention)
-        key, value = self.device_store.sync(pool)
+        """A step over a cache already in device memory (IO binding: the cache is not copied)."""
         binding = session.io_binding()
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         binding.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))

@@ -10,28 +10,30 @@ same length run as one batched call. A prompt's chunk size is fixed by the reque
 budget + chunk), so outputs never depend on what else is running. Sequences of different lengths
 and budgets share the decode step through the batch pool (padded slots are masked). The decoder
 step returns last-position logits only, and attention only when a policy in the call reads it.
+Everything about where the keys and values live (slot caches, the batch pool and its device mirror,
+sessions kept between turns) is the cache manager's (`kvpop.cache.manager`); the engine asks it.
 `add_request` and `cancel` may be called from other threads: they only touch the queue under the
 engine's lock; everything else belongs to the thread calling `step`.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import threading
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
-from kvpop.cache import BatchSlotPool, SlotCache
+from kvpop.cache import SlotCache
+from kvpop.cache.manager import CacheManager
 from kvpop.decoder import DecoderStep, StepOutput
 from kvpop.policies import POLICIES, EvictionPolicy, TokenScorer, make_policy
 from kvpop.sampling import Sampler, SamplingParams
 from kvpop.scorer import LEARNED_SCORER_KINDS, learned_scorer
-from kvpop.sessions import SessionStore, capture_state, restore_cache, validate_session_id
+from kvpop.sessions import SessionStore, validate_session_id
 
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED = "stop", "length", "cancelled"
 NO_TOKEN = -1  # token_id of an event that carries no token (a cancellation)
@@ -196,6 +198,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.max_step_tokens = max_step_tokens
         self.learned_scorers = learned_scorers or {}  # kind -> scorer shared by this engine's sequences
+        self.cache_manager = CacheManager(self.spec, decoder.device_store, sessions, self.learned_scorers)
         self._lock = threading.Lock()  # guards _waiting, _cancelled, _finished, _request_ids
         self._waiting: deque[GenerationRequest] = deque()
         self._cancelled: set[str] = set()
@@ -203,8 +206,6 @@ class Engine:
         self._request_ids: set[str] = set()  # every id not yet released by `result`
         self._running: dict[str, _Sequence] = {}  # step thread only: prompt in, decoding
         self._prefilling: dict[str, _Sequence] = {}  # step thread only: admitted, prompt partly fed (FIFO)
-        self._pool = BatchSlotPool(self.spec)
-        self.sessions = sessions  # finished sequences with a session_id are kept here
 
     @classmethod
     def from_model_dir(cls, model_dir: Path, device: str = "cpu", **options: Any) -> "Engine":
@@ -235,7 +236,7 @@ class Engine:
         if request.sampling.stop and self.tokenizer is None:
             raise ValueError(f"request {request.request_id!r}: stop strings need an engine with a tokenizer")
         if request.session_id is not None:
-            if self.sessions is None:
+            if self.cache_manager.sessions is None:
                 raise ValueError(f"request {request.request_id!r}: this engine keeps no sessions")
             validate_session_id(request.session_id)
         with self._lock:
@@ -269,10 +270,13 @@ class Engine:
 
     @property
     def kv_bytes_in_use(self) -> int:
-        """Key/value bytes held now: the batch pool plus caches outside it (being prefilled)."""
-        held = [*self._running.values(), *self._prefilling.values()]
-        outside = sum(seq.cache.nbytes for seq in held if seq.cache.storage_owner is not self._pool)
-        return self._pool.nbytes + outside
+        """Key/value bytes of the running sequences (the batch pool plus caches being prefilled)."""
+        return self.cache_manager.kv_bytes_in_use
+
+    @property
+    def sessions(self) -> SessionStore | None:
+        """The cache manager's session store (finished turns with a session_id are kept there)."""
+        return self.cache_manager.sessions
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         """Run `requests` to completion (in-flight batched) and return their results in order."""
@@ -308,54 +312,33 @@ class Engine:
             events.extend(self._decode(decoding))
         events.extend(self._prefill_step())
         if not self._running:
-            self._pool.release()
+            self.cache_manager.release_batch()
         return events
 
     # -- internals ----------------------------------------------------------------------------
 
     def _new_sequence(self, request: GenerationRequest) -> _Sequence:
-        """An admitted request's sequence with its (empty) cache; its prompt is fed by `_prefill_step`."""
-        prompt_tokens = len(request.prompt_ids)
-        budget = request.cache.resolve_budget(prompt_tokens, request.sampling.max_tokens)
-        # A bounded cache takes its whole storage now: it never grows after joining the batch pool,
-        # so its memory is exactly what admission reserved (never more than the tokens it will see).
-        reserved = 0 if budget is None else min(budget, prompt_tokens + request.sampling.max_tokens)
-        cache = SlotCache(self.spec, request.cache.build_policy(self.learned_scorers), budget, initial_capacity=reserved)
+        """An admitted request's sequence with the cache the manager gives it (empty, or a session's
+        saved state); the rest of its prompt is fed by `_prefill_step`."""
+        allocation = self.cache_manager.allocate(request)
+        budget = allocation.cache.budget
         # A bounded cache takes at most `budget` tokens per chunk, so no query ever sees more than
         # budget cached + budget new tokens (a larger chunk would flatter the policy).
         chunk_size = self.prefill_chunk if budget is None else min(self.prefill_chunk, budget)
-        sequence = _Sequence(request=request, cache=cache, sampler=Sampler(request.sampling), chunk_size=chunk_size)
-        if request.session_id is not None:
-            self._resume_session(sequence, budget)
-        return sequence
-
-    def _resume_session(self, sequence: _Sequence, budget: int | None) -> None:
-        """Continue from the session's saved cache when it fits this request: same model, same cache
-        options and budget, and a prompt that starts with the saved tokens. Otherwise: a cold prefill."""
-        request = sequence.request
-        state, tier = self.sessions.lookup(request.session_id)
-        if state is None or state.fingerprint != self.sessions.fingerprint or state.budget != budget:
-            return
-        if state.cache_options != asdict(request.cache) or not state.reusable_for(request.prompt_ids):
-            return
-        cache = restore_cache(state, self.spec, request.cache.build_policy(self.learned_scorers))
-        if budget is not None:
-            cache.reserve(min(budget, len(request.prompt_ids) + request.sampling.max_tokens))
-        sequence.cache, sequence.prefilled, sequence.session_tier = cache, state.tokens_seen, tier
-        sequence.tokens_reused = state.tokens_seen
+        return _Sequence(
+            request=request, cache=allocation.cache, sampler=Sampler(request.sampling), chunk_size=chunk_size,
+            prefilled=allocation.tokens_reused, tokens_reused=allocation.tokens_reused, session_tier=allocation.session_tier,
+        )
 
     def close_session(self, session_id: str) -> bool:
         """Forget a session's saved state (memory and disk); whether there was one."""
-        return self.sessions.remove(session_id) if self.sessions is not None else False
+        return self.cache_manager.close_session(session_id)
 
     def _keep_session(self, sequence: _Sequence) -> None:
         """Save a finished turn's cache and the tokens it has seen (all but the last sampled one)."""
         cache, request = sequence.cache, sequence.request
         history = (request.prompt_ids + sequence.output_ids)[: cache.tokens_seen]
-        try:
-            self.sessions.put(request.session_id, capture_state(cache, history, self.sessions.fingerprint, asdict(request.cache)))
-        except Exception:  # a full disk must not fail the turn: the next one prefills cold
-            logging.getLogger(__name__).exception("session state of request %r not kept", request.request_id)
+        self.cache_manager.save_session(request.session_id, cache, history, request.cache)
 
     def _prefill_step(self) -> list[TokenEvent]:
         """Feed admitted prompts' chunks while they fit the step's token budget (at least one chunk).
@@ -392,20 +375,10 @@ class Engine:
         starts = [sequence.prefilled for sequence in sequences]
         input_ids = np.array([sequence.request.prompt_ids[start : start + length] for sequence, start in zip(sequences, starts)], np.int64)
         positions = np.array([np.arange(start, start + length) for start in starts], np.int64)  # (B, T)
-        if len(caches) == 1:  # the cache's own arrays, no copy
-            cache = caches[0]
-            past_key, past_value, slot_mask = cache.key[:, None], cache.value[:, None], cache.slot_mask()[None]
-        else:  # stacked and padded to the largest cache (padding is masked)
-            slots = max(cache.capacity for cache in caches)
-            past_key, past_value, slot_mask = self.decoder.empty_cache(len(caches), slots)
-            for row, cache in enumerate(caches):
-                past_key[:, row, :, : cache.capacity] = cache.key
-                past_value[:, row, :, : cache.capacity] = cache.value
-                slot_mask[row, : cache.capacity] = cache.slot_mask()
+        past_key, past_value, slot_mask = self.cache_manager.prefill_inputs(caches)
         attention = any(cache.policy.needs_attention for cache in caches)
         out = self.decoder.run(input_ids, positions, past_key, past_value, slot_mask, last_only=True, attention=attention)
-        for row, cache in enumerate(caches):
-            self._store(cache, out, row)
+        self.cache_manager.store(caches, out)
         return out
 
     def _prefill(self, request: GenerationRequest) -> _Sequence:
@@ -420,24 +393,13 @@ class Engine:
 
     def _decode(self, sequences: list[_Sequence]) -> list[TokenEvent]:
         caches = [sequence.cache for sequence in sequences]
-        self._pool.bind(caches)
+        past_key, past_value, slot_mask = self.cache_manager.decode_inputs(caches)  # the pool's arrays, no copy
         input_ids = np.array([[sequence.pending_token] for sequence in sequences], dtype=np.int64)  # (B, 1)
         positions = np.array([[cache.tokens_seen] for cache in caches], dtype=np.int64)  # (B, 1)
         attention = any(cache.policy.needs_attention for cache in caches)
-        out = self.decoder.run_pool(
-            input_ids, positions, self._pool, self._pool.slot_mask(caches), last_only=True, attention=attention
-        )
-        events = []
-        for row, sequence in enumerate(sequences):
-            self._store(sequence.cache, out, row)
-            events.append(self._accept(sequence, sequence.sampler(out.logits[row, -1])))
-        return events
-
-    @staticmethod
-    def _store(cache: SlotCache, out: StepOutput, row: int) -> None:
-        attention = None if out.attention is None else out.attention[:, row]
-        chunk_attention = None if out.chunk_attention is None else out.chunk_attention[:, row]
-        cache.append(out.new_key[:, row], out.new_value[:, row], attention, chunk_attention)
+        out = self.decoder.run(input_ids, positions, past_key, past_value, slot_mask, last_only=True, attention=attention)
+        self.cache_manager.store(caches, out)
+        return [self._accept(sequence, sequence.sampler(out.logits[row, -1])) for row, sequence in enumerate(sequences)]
 
     def _accept(self, sequence: _Sequence, token: int) -> TokenEvent:
         """Record a sampled token and decide whether the sequence ends with it."""
@@ -484,6 +446,7 @@ class Engine:
             self.close_session(request.session_id)
         elif request.session_id is not None and reason != FINISH_CANCELLED:
             self._keep_session(sequence)
+        self.cache_manager.free(request.request_id)
         with self._lock:
             self._finished[request.request_id] = result
         return TokenEvent(request.request_id, token, finished=True, finish_reason=reason)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from kvpop.cache import SlotCache
+from kvpop.cache.manager import append_output
 from kvpop.decoder import DecoderStep
 from kvpop.engine import CacheConfig, Engine, GenerationRequest, SamplingParams
 from kvpop.sessions import COLD, HOT, SessionStore, TierLimits, model_fingerprint
@@ -77,7 +78,7 @@ def one_long_sequence(decoder: DecoderStep, cache: SlotCache, segments, chunk: i
             positions = np.arange(cache.tokens_seen, cache.tokens_seen + len(piece))[None]
             out = decoder.run(np.array([piece]), positions, cache.key[:, None], cache.value[:, None],
                               cache.slot_mask()[None], last_only=True, attention=cache.policy.needs_attention)
-            Engine._store(cache, out, 0)
+            append_output(cache, out, 0)
     return int(np.argmax(out.logits[0, -1]))
 
 

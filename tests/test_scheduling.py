@@ -77,8 +77,8 @@ def test_prefill_chunks_of_several_prompts_are_batched(decoder, policy):
         calls.append(input_ids.shape)
         return original(input_ids, *args, **kwargs)
 
-    engine.decoder = type("Counting", (), {"run": staticmethod(counting_run), "run_pool": decoder.run_pool,
-                                           "spec": decoder.spec, "empty_cache": decoder.empty_cache})()
+    engine.decoder = type("Counting", (), {"run": staticmethod(counting_run), "spec": decoder.spec,
+                                           "empty_cache": decoder.empty_cache})()
     assert [r.output_ids for r in engine.generate(batch)] == alone
     assert any(batch_size > 1 and tokens == 8 for batch_size, tokens in calls)  # a batched prefill call
 

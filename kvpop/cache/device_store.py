@@ -37,17 +37,18 @@ class DeviceKVStore:
         self.key: ort.OrtValue | None = None  # (L, B, Hkv, S, D) on the device
         self.value: ort.OrtValue | None = None
         self._spare: tuple[ort.OrtValue, ort.OrtValue] | None = None  # scatter target, swapped each write
-        self._repacks = -1
+        self._synced: tuple[int, int] | None = None  # (id of the pool, its repacks) the device copy holds
         self.uploads = 0  # full uploads (repacks)
         self.slot_writes = 0  # scattered slot writes (per layer, row and head)
 
     def sync(self, pool) -> tuple[ort.OrtValue, ort.OrtValue]:
         """Bring the device copy up to date with the host pool; returns (key, value) OrtValues."""
-        pool.track_writes = True
-        if pool.repacks != self._repacks or self.key is None:
+        if not pool.track_writes:
+            raise ValueError("a device-mirrored pool must track its caches' writes (BatchSlotPool(track_writes=True))")
+        if (id(pool), pool.repacks) != self._synced or self.key is None:
             self.key, self.value = self._upload(pool.key), self._upload(pool.value)
             self._spare = None
-            self._repacks = pool.repacks
+            self._synced = (id(pool), pool.repacks)
             pool.take_dirty()
             self.uploads += 1
             return self.key, self.value

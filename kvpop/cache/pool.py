@@ -6,7 +6,8 @@ running sequence's `key`/`value` are views into one row of the pool's arrays, so
 decode step copies nothing: the decoder reads the pool and the slot cache writes new tokens into
 its row in place. The pool is repacked (one copy of everything) only when the set of sequences
 changes or a sequence outgrows the pool's slot count S; sequences with fewer slots than S are
-padded and masked.
+padded and masked. With `track_writes` (a device mirror exists) the bound caches record the slots
+they write, and `take_dirty` collects them into one (L, B, Hkv, S) mask.
 """
 
 from __future__ import annotations
@@ -18,14 +19,13 @@ from kvpop.model_spec import ModelSpec
 
 
 class BatchSlotPool:
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, track_writes: bool = False) -> None:
         self.spec = spec
         self.dtype = np.dtype(spec.dtype)
-        self._rows: dict[int, int] = {}  # id() of each bound cache -> its row, in row order
+        self._caches: list[SlotCache] = []  # the bound caches, in row order
         self.key = self._zeros(0, 0)  # (L, B, Hkv, S, D)
         self.value = self._zeros(0, 0)
-        self.dirty = np.zeros((0, 0, 0, 0), bool)  # (L, B, Hkv, S): slots written since `take_dirty`
-        self.track_writes = False  # set by a device mirror; without one, writes cost no bookkeeping
+        self.track_writes = track_writes  # for a device mirror; without one, writes cost no bookkeeping
         self.repacks = 0  # a device mirror re-uploads everything when this changes
 
     def _zeros(self, batch: int, slots: int) -> np.ndarray:
@@ -42,29 +42,27 @@ class BatchSlotPool:
 
     def bind(self, caches: list[SlotCache]) -> None:
         """Make row r of the pool hold caches[r]; copies only when membership or sizes changed."""
-        unchanged = [id(cache) for cache in caches] == list(self._rows) and all(
-            cache.storage_owner is self and cache.capacity <= self.slots for cache in caches
+        unchanged = len(caches) == len(self._caches) and all(
+            cache is bound and cache.storage_owner is self and cache.capacity <= self.slots
+            for cache, bound in zip(caches, self._caches)
         )
         if unchanged:
             return
         slots = max((cache.capacity for cache in caches), default=0)
         key, value = self._zeros(len(caches), slots), self._zeros(len(caches), slots)
         for row, cache in enumerate(caches):
-            cache.rebind(key[:, row, :, : cache.capacity], value[:, row, :, : cache.capacity], owner=self)
+            cache.rebind(key[:, row, :, : cache.capacity], value[:, row, :, : cache.capacity], self, self.track_writes)
         self.key, self.value = key, value
-        self._rows = {id(cache): row for row, cache in enumerate(caches)}
-        self.dirty = np.zeros(key.shape[:-1], bool)
+        self._caches = list(caches)
         self.repacks += 1
 
-    def written(self, cache: SlotCache, where) -> None:
-        """A bound cache wrote the (layer, head, slot) entries `where` of its view: mark them dirty."""
-        row = self._rows.get(id(cache)) if self.track_writes else None
-        if row is not None:  # a cache dropped at the last repack writes only into its old view
-            self.dirty[:, row][where] = True
-
     def take_dirty(self) -> np.ndarray:
-        """(L, B, Hkv, S) slots written since the last call, and reset."""
-        dirty, self.dirty = self.dirty, np.zeros_like(self.dirty)
+        """(L, B, Hkv, S) slots the bound caches wrote since the last call (or the last repack)."""
+        dirty = np.zeros(self.key.shape[:-1], bool)
+        for row, cache in enumerate(self._caches):
+            view = dirty[:, row]  # (L, Hkv, S)
+            for where in cache.take_writes():
+                view[where] = True
         return dirty
 
     def slot_mask(self, caches: list[SlotCache]) -> np.ndarray:  # (B, S) bool

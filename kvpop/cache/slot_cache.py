@@ -8,11 +8,15 @@ head receives every new token, so the number of valid slots is the same for all 
 slots are always the prefix [0, length) -- a per-sequence mask is enough for attention.
 
 Order of events when T new tokens arrive (`append`):
-  1. the policy `observe`s the step (updates its per-slot statistics, gives the new tokens theirs);
+  1. the policy `observe`s the step and returns a `StatisticsUpdate`; the cache applies it (new values
+     for the cached slots' statistics; the new tokens' statistics go in with them below);
   2. if the tokens fit (length + T <= limit), they are written after the valid prefix, growing the
      storage in blocks when needed (capacity grows lazily up to the budget);
   3. otherwise every head keeps the `limit` highest-priority of its C old + T new candidates, and the
      kept new tokens overwrite the slots of the dropped old ones.
+
+The cache never calls its storage owner: while it lives in a batch pool that mirrors to the device,
+it records which (layer, head, slot) entries it wrote (`take_writes`) and the pool collects them.
 """
 
 from __future__ import annotations
@@ -25,13 +29,14 @@ import numpy as np
 from kvpop.model_spec import ModelSpec
 
 if TYPE_CHECKING:
-    from kvpop.policies.base import EvictionPolicy
+    from kvpop.policies.base import EvictionPolicy, StatisticsUpdate
 
 GROWTH_BLOCK = 64  # slots added at a time while a cache fills up to its budget (or grows, unbounded)
 
 
-def _round_up(value: int, block: int) -> int:
-    return -(-value // block) * block
+def round_up_slots(slots: int) -> int:
+    """The storage a cache takes for `slots` slots: whole growth blocks (admission reserves this)."""
+    return -(-slots // GROWTH_BLOCK) * GROWTH_BLOCK
 
 
 @dataclass
@@ -84,13 +89,13 @@ class SlotCache:
         self.tokens_seen = 0
         self.peak_bytes = 0
         self.storage_owner: object | None = None  # the batch pool whose arrays `key`/`value` view
-        self.policy_state: Any = None  # per-sequence state a policy or its scorer keeps
+        self._writes: list | None = None  # index expressions written since `take_writes`; None: not tracked
         self.key = self._zeros_kv(0)  # (L, Hkv, C, D)
         self.value = self._zeros_kv(0)  # (L, Hkv, C, D)
         self.position = np.full(self._head_shape(0), -1, np.int64)  # (L, Hkv, C), -1 = empty
         self.statistics = {name: np.zeros(self._head_shape(0), np.float32) for name in policy.statistics}
         self.reserve(initial_capacity)
-        policy.init_state(self)
+        self.policy_state: Any = policy.init_state()  # the policy's (or its scorer's) per-sequence state
 
     # -- geometry and memory --------------------------------------------------------------------
 
@@ -125,11 +130,11 @@ class SlotCache:
         slots = int(min(slots, self.limit))
         if slots <= self.capacity:
             return
-        new_capacity = int(min(_round_up(slots, GROWTH_BLOCK), self.limit))
+        new_capacity = int(min(round_up_slots(slots), self.limit))
         key, value = self._zeros_kv(new_capacity), self._zeros_kv(new_capacity)
         key[:, :, : self.length] = self.key[:, :, : self.length]
         value[:, :, : self.length] = self.value[:, :, : self.length]
-        self.key, self.value, self.storage_owner = key, value, None
+        self.key, self.value, self.storage_owner, self._writes = key, value, None, None
         self.position = self._grown(self.position, new_capacity, fill=-1)
         self.statistics = {name: self._grown(stat, new_capacity, fill=0) for name, stat in self.statistics.items()}
         self.peak_bytes = max(self.peak_bytes, self.nbytes)
@@ -139,20 +144,28 @@ class SlotCache:
         grown[:, :, : self.length] = array[:, :, : self.length]
         return grown
 
-    def rebind(self, key: np.ndarray, value: np.ndarray, owner: object) -> None:
-        """Move the keys and values into `owner`'s storage (views of shape (L, Hkv, C, D))."""
+    def rebind(self, key: np.ndarray, value: np.ndarray, owner: object, track_writes: bool = False) -> None:
+        """Move the keys and values into `owner`'s storage (views of shape (L, Hkv, C, D));
+        `track_writes`: record what is written from now on (the owner mirrors it to a device)."""
         if key.shape != self.key.shape or value.shape != self.value.shape:
             raise ValueError(f"rebind needs views of shape {self.key.shape}, got {key.shape}")
         key[:, :, : self.length] = self.key[:, :, : self.length]
         value[:, :, : self.length] = self.value[:, :, : self.length]
         self.key, self.value, self.storage_owner = key, value, owner
+        self._writes = [] if track_writes else None
+
+    def take_writes(self) -> list:
+        """Index expressions into (L, Hkv, C) written since the last call (empty when not tracked)."""
+        if self._writes is None:
+            return []
+        writes, self._writes = self._writes, []
+        return writes
 
     # -- writing tokens -------------------------------------------------------------------------
 
     def _written(self, where) -> None:
-        """Tell the storage owner which (layer, head, slot) entries changed (a device mirror syncs them)."""
-        if self.storage_owner is not None:
-            self.storage_owner.written(self, where)
+        if self._writes is not None:
+            self._writes.append(where)
 
     def append(
         self,
@@ -176,7 +189,12 @@ class SlotCache:
             chunk_attention=None if chunk_attention is None
             else chunk_attention.reshape(num_layers, num_kv_heads, group, new_tokens, new_tokens),
         )
-        new_statistics = self.policy.observe(self, update)
+        decided: StatisticsUpdate = self.policy.observe(self, update)
+        for name, values in decided.cached.items():  # (L, Hkv, C): the policy's arrays, taken over
+            if values.shape != self.statistics[name].shape:
+                raise ValueError(f"policy {self.policy.name!r} updated {name} with shape {values.shape}")
+            self.statistics[name] = values
+        new_statistics = decided.new
         self.tokens_seen += new_tokens
         if self.length + new_tokens <= self.limit:
             self._write_after_prefix(update, new_statistics)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from kvpop.policies.base import EvictionPolicy
+from kvpop.policies.base import EvictionPolicy, StatisticsUpdate
 from kvpop.policies.full import FullPolicy
 from kvpop.policies.h2o import H2OPolicy
 from kvpop.policies.kvpop import KVpopPolicy
@@ -36,6 +36,7 @@ def make_policy(name: str, **options: Any) -> EvictionPolicy:
 __all__ = [
     "POLICIES",
     "SCORERS",
+    "StatisticsUpdate",
     "AccumulatedAttentionScorer",
     "EvictionPolicy",
     "LeavingTokens",

@@ -1,15 +1,22 @@
 """The one interface every eviction policy implements, and the shared mechanics they reuse.
 
-A policy never moves data: it keeps per-slot statistics up to date (`observe`) and ranks the old
-slots and new tokens of an over-budget append (`score`). The slot cache does the top-k and the
-overwriting, so a new policy is one small file with one `score` method (as kvpress presses are).
+A policy never moves data and never writes into the cache: it reads the cache and says what it
+decided, and the slot cache applies it. The contract, per sequence:
+  - `init_state()` returns the policy's per-sequence state (or None); the cache stores it in
+    `cache.policy_state` and hands it back by that attribute (a session checkpoint saves it).
+  - `observe(cache, update)` returns a `StatisticsUpdate`: every statistic's values for the T new
+    tokens, and new values for the C cached slots of the statistics that changed. The cache applies
+    it before it writes the new tokens.
+  - `score(cache, candidates)` ranks the old slots and new tokens of an over-budget append; the cache
+    does the top-k and the overwriting, so a new policy is one small file with one `score` method
+    (as kvpress presses are).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -17,6 +24,15 @@ if TYPE_CHECKING:
     from kvpop.cache.slot_cache import Candidates, CacheUpdate, SlotCache
 
 PROTECTED = np.float32(np.inf)  # priority of a token a policy promises never to evict
+
+
+@dataclass
+class StatisticsUpdate:
+    """What a policy concluded from one append; the slot cache applies it (the cache takes over the
+    arrays: a policy returns fresh ones, never views of the cache's own statistics)."""
+
+    new: dict[str, np.ndarray] = field(default_factory=dict)  # name -> (L, Hkv, T): every statistic, for the new tokens
+    cached: dict[str, np.ndarray] = field(default_factory=dict)  # name -> (L, Hkv, C): new values of the cached slots; absent: unchanged
 
 
 @dataclass
@@ -34,12 +50,13 @@ class EvictionPolicy(ABC):
     evicts: ClassVar[bool] = True  # False only for the full cache
     needs_attention: ClassVar[bool] = False  # reads CacheUpdate.attention (the step must return it)
 
-    def init_state(self, cache: "SlotCache") -> None:
-        """Create per-sequence state in `cache.policy_state` (default: none)."""
+    def init_state(self) -> Any:
+        """A new sequence's policy state, which its cache keeps (default: none)."""
+        return None
 
-    def observe(self, cache: "SlotCache", update: "CacheUpdate") -> dict[str, np.ndarray]:
-        """Update statistics of the cached slots; return each statistic for the new tokens (L, Hkv, T)."""
-        return {}
+    def observe(self, cache: "SlotCache", update: "CacheUpdate") -> StatisticsUpdate:
+        """The statistics after the new tokens: theirs (L, Hkv, T) and the cached slots' that changed."""
+        return StatisticsUpdate()
 
     @abstractmethod
     def score(self, cache: "SlotCache", candidates: "Candidates") -> np.ndarray:
@@ -71,8 +88,10 @@ def group_attention(attention: np.ndarray, reduce: str = "sum") -> np.ndarray:
     return received.mean(axis=2) if reduce == "mean" else received.sum(axis=2)
 
 
-def accumulate_attention(cache: "SlotCache", update: "CacheUpdate", statistic: str) -> np.ndarray:
-    """Add what the new queries put on each cached slot to `statistic`; return the new tokens' own
-    totals (what later tokens of the same chunk put on them). Shared by h2o and kvpop."""
-    cache.statistics[statistic] += group_attention(update.attention)
-    return group_attention(update.chunk_attention)
+def accumulate_attention(cache: "SlotCache", update: "CacheUpdate", statistic: str) -> StatisticsUpdate:
+    """`statistic` plus what the new queries put on each cached slot; the new tokens' own totals
+    (what later tokens of the same chunk put on them). Shared by h2o and kvpop."""
+    return StatisticsUpdate(
+        new={statistic: group_attention(update.chunk_attention)},
+        cached={statistic: cache.statistics[statistic] + group_attention(update.attention)},
+    )

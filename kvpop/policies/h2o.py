@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpop.policies.base import EvictionPolicy, accumulate_attention
+from kvpop.policies.base import EvictionPolicy, StatisticsUpdate, accumulate_attention
 
 
 @dataclass
@@ -25,8 +25,8 @@ class H2OPolicy(EvictionPolicy):
         if self.window < 0:
             raise ValueError(f"h2o: window must be >= 0, got {self.window}")
 
-    def observe(self, cache, update) -> dict[str, np.ndarray]:
-        return {"accumulated_attention": accumulate_attention(cache, update, "accumulated_attention")}
+    def observe(self, cache, update) -> StatisticsUpdate:
+        return accumulate_attention(cache, update, "accumulated_attention")
 
     def score(self, cache, candidates) -> np.ndarray:
         return candidates.statistics["accumulated_attention"]

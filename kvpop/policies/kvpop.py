@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvpop.policies.base import EvictionPolicy
+from kvpop.policies.base import EvictionPolicy, StatisticsUpdate
 from kvpop.policies.scorers import LeavingTokens, TokenScorer, make_scorer
 
 SCORE = "kvpop_score"
@@ -42,17 +42,19 @@ class KVpopPolicy(EvictionPolicy):
     def statistics(self) -> tuple[str, ...]:
         return (SCORE, *self._scorer.statistics)
 
-    def init_state(self, cache) -> None:
-        cache.policy_state = self._scorer.init_state(cache)
+    def init_state(self):
+        return self._scorer.init_state()  # the scorer's per-sequence state is the policy's
 
-    def observe(self, cache, update) -> dict[str, np.ndarray]:
-        new_statistics = self._scorer.observe(cache, cache.policy_state, update)
-        new_statistics[SCORE] = np.zeros_like(update.key[..., 0], dtype=np.float32)  # (L, Hkv, T)
+    def observe(self, cache, update) -> StatisticsUpdate:
+        scorer_update = self._scorer.observe(cache, cache.policy_state, update)
+        new_statistics = {**scorer_update.new, SCORE: np.zeros_like(update.key[..., 0], dtype=np.float32)}  # (L, Hkv, T)
         sinks, window = self.protected_counts(cache.budget)
         seen_after = cache.tokens_seen + update.num_tokens
         first, stop = max(cache.tokens_seen - window, sinks), seen_after - window  # leaving: [first, stop)
         if stop <= first:
-            return new_statistics
+            return StatisticsUpdate(new_statistics, scorer_update.cached)
+        # The scorer's statistics as they are after this append (its update applied).
+        statistics = {name: scorer_update.cached.get(name, cache.statistics[name]) for name in self._scorer.statistics}
         # Old slots holding leaving tokens (every head holds all of them: they were protected).
         held = (cache.position >= first) & (cache.position < stop)  # (L, Hkv, C)
         old_count = int(held[0, 0].sum())
@@ -71,12 +73,13 @@ class KVpopPolicy(EvictionPolicy):
             positions=gather(cache.position, np.broadcast_to(update.positions, new_statistics[SCORE].shape)),
             key=gather(cache.key, update.key),
             value=gather(cache.value, update.value),
-            statistics={name: gather(cache.statistics[name], new_statistics[name]) for name in self._scorer.statistics},
+            statistics={name: gather(statistics[name], new_statistics[name]) for name in self._scorer.statistics},
         )
         scores = np.asarray(self._scorer.score(cache, cache.policy_state, leaving), dtype=np.float32)
-        np.put_along_axis(cache.statistics[SCORE], slots, scores[..., :old_count], axis=2)
+        cached_score = cache.statistics[SCORE].copy()  # (L, Hkv, C): the leaving old slots get their score
+        np.put_along_axis(cached_score, slots, scores[..., :old_count], axis=2)
         new_statistics[SCORE][:, :, new_tokens] = scores[..., old_count:]
-        return new_statistics
+        return StatisticsUpdate(new_statistics, {**scorer_update.cached, SCORE: cached_score})
 
     def score(self, cache, candidates) -> np.ndarray:
         return candidates.statistics[SCORE]

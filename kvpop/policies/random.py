@@ -14,8 +14,8 @@ class RandomPolicy(EvictionPolicy):
     name = "random"
     seed: int = 0
 
-    def init_state(self, cache) -> None:
-        cache.policy_state = np.random.default_rng(self.seed)  # one stream per sequence
+    def init_state(self) -> np.random.Generator:
+        return np.random.default_rng(self.seed)  # one stream per sequence
 
     def score(self, cache, candidates) -> np.ndarray:
         return cache.policy_state.random(candidates.positions.shape, dtype=np.float32)

@@ -2,9 +2,10 @@
 
 The learned scorers (ONNX mLSTM or MLP per KV head, `kvpop.scorer.runtime.LearnedScorer`) implement
 this interface; the attention-based `AccumulatedAttentionScorer` below is the stand-in used when a
-model has none. `init_state` creates per-sequence recurrent state (kept in the slot cache, so it travels
-with the sequence), `observe` sees every new token's key and value once, in order, and `score` is
-called only for the tokens leaving the window now. Scores are fixed once given.
+model has none. `init_state` returns per-sequence recurrent state (the kvpop policy's state, kept in
+the slot cache, so it travels with the sequence), `observe` sees every new token's key and value
+once, in order, and returns its statistics as a `StatisticsUpdate` (the same contract as a policy's),
+and `score` is called only for the tokens leaving the window now. Scores are fixed once given.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from kvpop.policies.base import accumulate_attention
+from kvpop.policies.base import StatisticsUpdate, accumulate_attention
 
 if TYPE_CHECKING:
     from kvpop.cache.slot_cache import CacheUpdate, SlotCache
@@ -36,13 +37,13 @@ class TokenScorer(ABC):
     statistics: ClassVar[tuple[str, ...]] = ()  # per-slot statistics the cache keeps for this scorer
     needs_attention: ClassVar[bool] = False  # reads the attention the decoder step returns
 
-    def init_state(self, cache: "SlotCache") -> Any:
-        """Per-sequence state (e.g. recurrent memory per head); stored by the policy in the cache."""
+    def init_state(self) -> Any:
+        """Per-sequence state (e.g. recurrent memory per head); the kvpop policy's state in the cache."""
         return None
 
-    def observe(self, cache: "SlotCache", state: Any, update: "CacheUpdate") -> dict[str, np.ndarray]:
-        """See the new tokens; update cached slots' statistics; return the new tokens' (L, Hkv, T)."""
-        return {}
+    def observe(self, cache: "SlotCache", state: Any, update: "CacheUpdate") -> StatisticsUpdate:
+        """See the new tokens; their statistics (L, Hkv, T) and the cached slots' that changed."""
+        return StatisticsUpdate()
 
     @abstractmethod
     def score(self, cache: "SlotCache", state: Any, leaving: LeavingTokens) -> np.ndarray:
@@ -58,8 +59,8 @@ class AccumulatedAttentionScorer(TokenScorer):
     statistics = ("accumulated_attention",)
     needs_attention = True
 
-    def observe(self, cache, state, update) -> dict[str, np.ndarray]:
-        return {"accumulated_attention": accumulate_attention(cache, update, "accumulated_attention")}
+    def observe(self, cache, state, update) -> StatisticsUpdate:
+        return accumulate_attention(cache, update, "accumulated_attention")
 
     def score(self, cache, state, leaving) -> np.ndarray:
         return leaving.statistics["accumulated_attention"]

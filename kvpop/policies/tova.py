@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpop.policies.base import EvictionPolicy, group_attention
+from kvpop.policies.base import EvictionPolicy, StatisticsUpdate, group_attention
 
 
 @dataclass
@@ -19,10 +19,12 @@ class TOVAPolicy(EvictionPolicy):
     statistics = ("last_query_attention",)
     needs_attention = True
 
-    def observe(self, cache, update) -> dict[str, np.ndarray]:
+    def observe(self, cache, update) -> StatisticsUpdate:
         # Only the last new query counts: it is the "current" one when the eviction happens.
-        cache.statistics["last_query_attention"][:] = group_attention(update.attention[..., -1:, :], "mean")
-        return {"last_query_attention": group_attention(update.chunk_attention[..., -1:, :], "mean")}
+        return StatisticsUpdate(
+            new={"last_query_attention": group_attention(update.chunk_attention[..., -1:, :], "mean")},
+            cached={"last_query_attention": group_attention(update.attention[..., -1:, :], "mean")},
+        )
 
     def score(self, cache, candidates) -> np.ndarray:
         return candidates.statistics["last_query_attention"]

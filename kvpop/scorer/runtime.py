@@ -1,9 +1,9 @@
 """The learned scorer at serve time: the exported ONNX step run by onnxruntime (no torch).
 
 `ScorerRuntime` owns the session and is shared by every sequence; each sequence's recurrent state is
-a `ScorerState` that the kvpop policy keeps in the slot cache (`cache.policy_state`), so saving and
-restoring a cache saves and restores its scorer too. `LearnedScorer` adapts the runtime to the
-kvpop policy's `TokenScorer` interface.
+a `ScorerState` that `init_state` returns and the slot cache keeps as the kvpop policy's state
+(`cache.policy_state`), so saving and restoring a cache saves and restores its scorer too.
+`LearnedScorer` adapts the runtime to the kvpop policy's `TokenScorer` interface.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from kvpop.policies.base import StatisticsUpdate
 from kvpop.policies.scorers import LeavingTokens, TokenScorer
 
 MAX_CHUNK = 64  # rows per ONNX call: the chunk's (T x T) intra-chunk weights stay small in a prefill
@@ -147,23 +148,26 @@ class LearnedScorer(TokenScorer):
         """The window the scorer was trained for; the kvpop policy should protect the same."""
         return self.runtime.spec.window
 
-    def init_state(self, cache) -> ScorerState:
+    def init_state(self) -> ScorerState:
         return self.runtime.initial_state()
 
-    def observe(self, cache, state: ScorerState, update) -> dict[str, np.ndarray]:
+    def observe(self, cache, state: ScorerState, update) -> StatisticsUpdate:
         self._consume(state, leaving=None)
         state.pending_key = np.array(update.key, np.float32)  # a copy: the caller may reuse its buffers
         state.pending_value = np.array(update.value, np.float32)
         if not self.statistics:
-            return {}
+            return StatisticsUpdate()
         visible = (cache.length + np.arange(update.num_tokens) + 1).astype(np.float32)  # keys query i saw
         # Only queries up to w after a token count (a chunk's later queries come after it left).
         query = update.positions[:, None]  # (T, 1)
         old = query <= cache.position[:, :, None, :] + self.window  # (L, Hkv, T, C)
         new = query <= update.positions[None, :] + self.window  # (T, T)
         # (L, Hkv, G, T, C|T) -> (L, Hkv, C|T): summed over the new queries and the query heads of the group.
-        cache.statistics[self.ATTENTION] += np.einsum("lhgtc,lhtc,t->lhc", update.attention, old, visible)
-        return {self.ATTENTION: np.einsum("lhgts,ts,t->lhs", update.chunk_attention, new, visible)}
+        received = np.einsum("lhgtc,lhtc,t->lhc", update.attention, old, visible)
+        return StatisticsUpdate(
+            new={self.ATTENTION: np.einsum("lhgts,ts,t->lhs", update.chunk_attention, new, visible)},
+            cached={self.ATTENTION: cache.statistics[self.ATTENTION] + received},
+        )
 
     def score(self, cache, state: ScorerState, leaving: LeavingTokens) -> np.ndarray:
         if leaving.positions.shape[2] == 1:  # a decode step: one token leaves, nothing to order

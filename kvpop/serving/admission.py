@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from kvpop.cache.manager import slots_needed
+from kvpop.cache.slot_cache import GROWTH_BLOCK, round_up_slots
 from kvpop.engine import GenerationRequest
 from kvpop.model_spec import ModelSpec
-
-GROWTH_BLOCK = 64  # the slot cache grows its storage in blocks of this many slots
 
 
 class OverloadedError(RuntimeError):
@@ -47,10 +47,6 @@ class Admission:
     degraded_from: int | None = None  # the budget asked for, when it was reduced
 
 
-def _round_up(slots: int) -> int:
-    return -(-slots // GROWTH_BLOCK) * GROWTH_BLOCK
-
-
 class KVPoolAdmission:
     """Reserves pool memory per running request. Used by the one engine worker thread only."""
 
@@ -69,10 +65,8 @@ class KVPoolAdmission:
 
     @staticmethod
     def slots_needed(request: GenerationRequest) -> int:
-        tokens = len(request.prompt_ids) + request.sampling.max_tokens
-        budget = request.cache.resolve_budget(len(request.prompt_ids), request.sampling.max_tokens)
-        # The full cache holds every token it sees; a bounded one never more than that either.
-        return _round_up(tokens if budget is None else min(budget, tokens))
+        """Slots per head the request's cache can take (the cache manager's sizing)."""
+        return slots_needed(request.cache, len(request.prompt_ids), request.sampling.max_tokens)
 
     def observe_engine(self, bytes_in_use: int) -> None:
         self.engine_bytes = bytes_in_use
@@ -86,7 +80,7 @@ class KVPoolAdmission:
         """Whether the request could ever run here (alone, degraded if allowed)."""
         slots = self.slots_needed(request)
         if request.cache.policy != "full":
-            slots = min(slots, _round_up(self.policy.min_kv_budget))
+            slots = min(slots, round_up_slots(self.policy.min_kv_budget))
         return slots * self.bytes_per_slot <= self.policy.kv_pool_bytes
 
     def try_admit(self, request: GenerationRequest) -> Admission | None:
@@ -99,13 +93,13 @@ class KVPoolAdmission:
             return None
         asked = request.cache.resolve_budget(len(request.prompt_ids), request.sampling.max_tokens)
         budget = (min(asked, slots) // GROWTH_BLOCK) * GROWTH_BLOCK
-        while budget >= self.policy.min_kv_budget and not self._fits(_round_up(budget)):
+        while budget >= self.policy.min_kv_budget and not self._fits(round_up_slots(budget)):
             budget -= GROWTH_BLOCK
         if budget < max(self.policy.min_kv_budget, 1):
             return None
         degraded = replace(request, cache=replace(request.cache, budget=budget, compression=None))
-        self._running[request.request_id] = _round_up(budget)
-        return Admission(degraded, _round_up(budget), degraded_from=asked)
+        self._running[request.request_id] = round_up_slots(budget)
+        return Admission(degraded, round_up_slots(budget), degraded_from=asked)
 
     def release(self, request_id: str) -> None:
         self._running.pop(request_id, None)

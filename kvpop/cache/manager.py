@@ -1,0 +1,200 @@
+"""The cache manager: the one owner of every sequence's KV state, running or kept between turns.
+
+Why a facade (as vLLM's `kv_cache_manager.py` over `block_pool.py`): the engine schedules requests
+and runs the decoder; where keys and values live, how big they may get and how they are kept across
+turns is one concern, and it used to be spread over the engine, the admission code, the policies and
+the pool. The engine now talks to this class alone for cache things and gets small results back
+(`Allocation`, the decoder's past arrays), never the pool or the store.
+
+What it owns:
+  - the slot caches of running sequences, by request id (`allocate` / `free`);
+  - the batch pool whose rows the decoding caches view (zero-copy), and the device mirror of that
+    pool when the decoder keeps the cache in device memory (`DeviceKVStore`, built by the decoder,
+    which knows its provider; synced only here);
+  - admission sizing: the slots a request's storage can take, in whole `GROWTH_BLOCK`s
+    (`slots_needed`, what `kvpop.serving.admission` reserves);
+  - the session store (hot / warm / cold tiers, `kvpop.sessions.store`): `save_session`,
+    `restore_session` (inside `allocate`), `close_session`.
+
+Flow of one engine step:
+  1. admit: `allocate(request)` returns the sequence's cache: the session's saved state when the
+     prompt continues it, else an empty cache reserved at its worst case;
+  2. prefill: `prefill_inputs(caches)` gives the decoder one cache's own arrays (no copy) or, for a
+     batched chunk, stacked copies padded to the largest; `store(caches, out)` appends each row (the
+     policy decides, the slot cache applies);
+  3. decode: `decode_inputs(caches)` binds the caches to the pool's rows (copies only when the batch
+     changes), syncs the device mirror (scattered written slots), returns what the decoder reads in
+     place; `store` again;
+  4. finish: `save_session` (a copy of the cache) when the turn keeps its session, then `free`;
+     `release_batch` when nothing decodes any more.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvpop.cache.pool import BatchSlotPool
+from kvpop.cache.slot_cache import SlotCache, round_up_slots
+from kvpop.model_spec import ModelSpec
+from kvpop.sessions import SessionState, SessionStore, capture_state, restore_cache
+
+if TYPE_CHECKING:
+    import onnxruntime as ort
+
+    from kvpop.cache.device_store import DeviceKVStore
+    from kvpop.decoder import StepOutput
+    from kvpop.engine import CacheConfig, GenerationRequest
+    from kvpop.policies import TokenScorer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """An admitted request's cache and how much of its prompt that cache already holds."""
+
+    cache: SlotCache
+    tokens_reused: int = 0  # prompt tokens already in `cache` (not to be computed again)
+    session_tier: str | None = None  # the session's state came from this tier (hot / warm / cold)
+
+
+def reserved_slots(budget: int | None, prompt_tokens: int, max_tokens: int) -> int:
+    """Slots per head a sequence can ever hold: every token it sees, at most its budget."""
+    tokens = prompt_tokens + max_tokens
+    return tokens if budget is None else min(budget, tokens)
+
+
+def slots_needed(config: "CacheConfig", prompt_tokens: int, max_tokens: int) -> int:
+    """The storage (slots per head, whole growth blocks) admission reserves for such a request."""
+    return round_up_slots(reserved_slots(config.resolve_budget(prompt_tokens, max_tokens), prompt_tokens, max_tokens))
+
+
+def append_output(cache: SlotCache, out: "StepOutput", row: int) -> None:
+    """Append row `row` of a decoder step's new tokens (and the attention its policy reads) to `cache`."""
+    attention = None if out.attention is None else out.attention[:, row]
+    chunk_attention = None if out.chunk_attention is None else out.chunk_attention[:, row]
+    cache.append(out.new_key[:, row], out.new_value[:, row], attention, chunk_attention)
+
+
+class CacheManager:
+    """Every running sequence's slot cache, the batch pool they share and the sessions kept after them.
+
+    Used by the one thread that drives the engine."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        device_store: "DeviceKVStore | None" = None,
+        sessions: SessionStore | None = None,
+        learned_scorers: "dict[str, TokenScorer] | None" = None,
+    ) -> None:
+        self.spec = spec
+        self.dtype = np.dtype(spec.dtype)
+        self.device_store = device_store
+        self.pool = BatchSlotPool(spec, track_writes=device_store is not None)
+        self.sessions = sessions  # finished sequences with a session_id are kept here
+        self.learned_scorers = learned_scorers or {}  # kind -> scorer shared by every sequence
+        self._caches: dict[str, SlotCache] = {}  # request id -> cache of a running sequence
+
+    # -- running sequences ----------------------------------------------------------------------
+
+    def allocate(self, request: "GenerationRequest") -> Allocation:
+        """The cache a newly admitted request starts from (its session's saved state when the prompt
+        continues it; else empty, with its worst case reserved so it never grows in the pool)."""
+        prompt_tokens, max_tokens = len(request.prompt_ids), request.sampling.max_tokens
+        budget = request.cache.resolve_budget(prompt_tokens, max_tokens)
+        allocation = self.restore_session(request, budget) if request.session_id is not None else None
+        if allocation is None:
+            initial = 0 if budget is None else reserved_slots(budget, prompt_tokens, max_tokens)
+            allocation = Allocation(SlotCache(self.spec, request.cache.build_policy(self.learned_scorers), budget, initial))
+        self._caches[request.request_id] = allocation.cache
+        return allocation
+
+    def free(self, request_id: str) -> None:
+        """Forget a finished sequence's cache (its pool row goes at the next repack or release)."""
+        self._caches.pop(request_id, None)
+
+    def release_batch(self) -> None:
+        """Drop the batch pool's arrays (nothing is decoding)."""
+        self.pool.release()
+
+    @property
+    def kv_bytes_in_use(self) -> int:
+        """Key/value bytes held now: the batch pool plus caches outside it (being prefilled)."""
+        outside = sum(cache.nbytes for cache in self._caches.values() if cache.storage_owner is not self.pool)
+        return self.pool.nbytes + outside
+
+    # -- what the decoder reads and what it returns -----------------------------------------------
+
+    def prefill_inputs(self, caches: list[SlotCache]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(past_key, past_value, slot_mask) for a prompt chunk of `caches`: (L, B, Hkv, S, D) twice, (B, S)."""
+        if len(caches) == 1:  # the cache's own arrays, no copy
+            cache = caches[0]
+            return cache.key[:, None], cache.value[:, None], cache.slot_mask()[None]
+        slots = max(cache.capacity for cache in caches)  # stacked and padded (padding is masked)
+        shape = (self.spec.num_layers, len(caches), self.spec.num_kv_heads, slots, self.spec.head_dim)
+        past_key, past_value, slot_mask = np.zeros(shape, self.dtype), np.zeros(shape, self.dtype), np.zeros((len(caches), slots), bool)
+        for row, cache in enumerate(caches):
+            past_key[:, row, :, : cache.capacity] = cache.key
+            past_value[:, row, :, : cache.capacity] = cache.value
+            slot_mask[row, : cache.capacity] = cache.slot_mask()
+        return past_key, past_value, slot_mask
+
+    def decode_inputs(self, caches: list[SlotCache]) -> "tuple[np.ndarray | ort.OrtValue, np.ndarray | ort.OrtValue, np.ndarray]":
+        """(past_key, past_value, slot_mask) for a decode step of `caches`: the pool's arrays (or their
+        device copies), which the caches' rows view, so a steady-state step copies nothing."""
+        self.pool.bind(caches)
+        slot_mask = self.pool.slot_mask(caches)  # (B, S)
+        if self.device_store is None:
+            return self.pool.key, self.pool.value, slot_mask
+        key, value = self.device_store.sync(self.pool)
+        return key, value, slot_mask
+
+    @staticmethod
+    def store(caches: list[SlotCache], out: "StepOutput") -> None:
+        """Append each row of a decoder step to its cache (row r belongs to caches[r])."""
+        for row, cache in enumerate(caches):
+            append_output(cache, out, row)
+
+    # -- sessions -------------------------------------------------------------------------------
+
+    def restore_session(self, request: "GenerationRequest", budget: int | None) -> Allocation | None:
+        """A copy of the session's saved cache when it fits this request: same model, same cache
+        options and budget, and a prompt that starts with the saved tokens. None: a cold prefill."""
+        state, tier = self.sessions.lookup(request.session_id)
+        if state is None or state.fingerprint != self.sessions.fingerprint or state.budget != budget:
+            return None
+        if state.cache_options != asdict(request.cache) or not state.reusable_for(request.prompt_ids):
+            return None
+        return Allocation(self._continue(state, request, budget), state.tokens_seen, tier)
+
+    def _continue(self, state: SessionState, request: "GenerationRequest", budget: int | None) -> SlotCache:
+        """A new cache continuing `state` (its own copies), with the request's worst case reserved."""
+        cache = restore_cache(state, self.spec, request.cache.build_policy(self.learned_scorers))
+        if budget is not None:
+            cache.reserve(reserved_slots(budget, len(request.prompt_ids), request.sampling.max_tokens))
+        return cache
+
+    def save_session(self, session_id: str, cache: SlotCache, history: list[int], cache_config: "CacheConfig") -> None:
+        """Keep a copy of a finished turn's cache and the tokens it has seen; a failure (a full disk)
+        is logged, never raised: the next turn then prefills cold."""
+        try:
+            self.sessions.put(session_id, capture_state(cache, history, self.sessions.fingerprint, asdict(cache_config)))
+        except Exception:
+            log.exception("state of session turn not kept")
+
+    def close_session(self, session_id: str) -> bool:
+        """Forget a session's saved state (memory and disk); whether there was one."""
+        return self.sessions.remove(session_id) if self.sessions is not None else False
+
+    @property
+    def hot_session_bytes(self) -> int:
+        """Bytes of sessions kept in instance memory (they count against the KV pool)."""
+        return self.sessions.hot_bytes if self.sessions is not None else 0
+
+
+__all__ = ["Allocation", "CacheManager", "append_output", "reserved_slots", "slots_needed"]

@@ -104,8 +104,10 @@ def test_a_bounded_session_continues_the_cache_of_one_long_sequence(decoder, tin
     # A fresh engine (a restarted server) reads the checkpoint and goes on identically.
     third_prompt = second_prompt + second.output_ids + user_turn(2)
     expected = run(engine, "t3", third_prompt, config, session_id="long")
+    assert engine.sessions.close(timeout=30)  # the first server stops: its last checkpoint is written
     restarted = Engine(decoder, sessions=make_store(tiny_onnx_model_dir, tmp_path, hot=0, warm=0), prefill_chunk=16)
     restarted.sessions.put("long", saved)  # the state as it was after turn 2 (t3 moved it on)
+    assert restarted.sessions.flush(timeout=30)  # on disk only: the turn reads the checkpoint
     again = run(restarted, "t3", third_prompt, config, session_id="long")
     assert again.output_ids == expected.output_ids and again.session_tier == COLD
     assert again.tokens_reused == expected.tokens_reused == len(second_prompt) + REPLY - 1

@@ -175,6 +175,7 @@ def test_least_recently_used_sessions_move_down_and_come_back_up(tmp_path):
     for name in "abcde":
         sessions.put(name, state)
     assert [sessions.tier_of(name) for name in "abcde"] == [COLD, WARM, WARM, HOT, HOT]
+    assert sessions.flush(timeout=30)  # checkpoints are written by the store's writer thread
     assert sessions.stats() == {HOT: {"entries": 2, "bytes": 2 * size}, WARM: {"entries": 2, "bytes": 2 * size},
                                 COLD: {"entries": 5, "bytes": sessions.stats()[COLD]["bytes"]}}  # write-through
     assert sessions.get("b") is not None  # warm -> hot; d (least recent in hot) goes to warm
@@ -193,13 +194,15 @@ def test_without_write_through_a_session_reaches_disk_only_when_demoted(tmp_path
     sessions.put("a", state)
     assert sessions.stats()[COLD]["entries"] == 0
     sessions.put("b", state)  # a: hot -> warm (limit 0) -> disk
-    assert sessions.tier_of("a") == COLD and sessions.stats()[COLD]["entries"] == 1
+    assert sessions.tier_of("a") == COLD and sessions.flush(timeout=30) and sessions.stats()[COLD]["entries"] == 1
     assert sessions.get("a") is not None
 
 
 def test_checkpoints_survive_a_new_store_on_the_same_directory(tmp_path):
     _, state = make_state("kvpop")
-    store(tmp_path, hot=1 << 30, warm=0).put("chat-1", state)
+    first = store(tmp_path, hot=1 << 30, warm=0)
+    first.put("chat-1", state)
+    assert first.close()  # model finalize: every pending checkpoint is on disk before it returns
     reopened = store(tmp_path, hot=1 << 30, warm=0)  # a restarted server: same secret file, cold hit
     loaded = reopened.get("chat-1")
     assert loaded is not None and reopened.counters.hits[COLD] == 1
@@ -213,6 +216,7 @@ def test_corrupt_or_foreign_checkpoint_is_treated_as_missing(tmp_path):
     sessions = store(tmp_path, hot=0, warm=0)
     sessions.put("a", state)
     sessions.put("b", state)
+    sessions.flush()
     [path_a] = [p for p in (tmp_path / "cold").glob("*.safetensors") if p.name.startswith(sessions.key("a"))]
     path_a.write_bytes(path_a.read_bytes()[:100])
     assert sessions.get("a") is None and not path_a.exists()
@@ -224,6 +228,7 @@ def test_one_session_cannot_read_another_by_renaming_files(tmp_path):
     _, state = make_state()
     sessions = store(tmp_path, hot=0, warm=0)
     sessions.put("victim", state)
+    sessions.flush()
     cold = tmp_path / "cold"
     os.replace(cold / f"{sessions.key('victim')}.safetensors", cold / f"{sessions.key('attacker')}.safetensors")
     assert sessions.get("attacker") is None and sessions.counters.checkpoints_rejected == 1
@@ -237,6 +242,7 @@ def test_cold_tier_drops_the_oldest_past_its_size_and_expired_ones(tmp_path):
     sessions.clock = lambda: now[0]
     for age, name in enumerate("abcd"):
         sessions.put(name, state)
+        sessions.flush()
         path = tmp_path / "cold" / f"{sessions.key(name)}.safetensors"
         if path.exists():
             os.utime(path, (900.0 + age, 900.0 + age))
@@ -275,10 +281,12 @@ def test_a_changed_checkpoint_wins_over_the_memory_copy(tmp_path):
     first = store(tmp_path, hot=1 << 30, warm=0)
     second = store(tmp_path, hot=1 << 30, warm=0)  # another instance on the same directory
     first.put("a", state)
+    first.flush()
     assert second.get("a") is not None
     path = tmp_path / "cold" / f"{first.key('a')}.safetensors"
     os.utime(path, ns=(path.stat().st_mtime_ns - 10**9,) * 2)  # coarse file-system clocks
     second.put("a", newer)
+    second.flush()
     np.testing.assert_array_equal(first.get("a").tokens, newer.tokens)
     path.write_bytes(path.read_bytes()[:100])  # damaged on disk: refused, not served from memory
     assert first.get("a") is None and first.counters.checkpoints_rejected == 1

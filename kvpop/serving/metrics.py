@@ -82,6 +82,7 @@ class ServiceMetrics:
             "demotions": counter("kvpop_session_demotions_total", "sessions moved down a tier").Metric(labels=labels),
             "checkpoints_written": counter("kvpop_session_checkpoints_written_total", "session checkpoints written").Metric(labels=labels),
             "checkpoints_rejected": counter("kvpop_session_checkpoints_rejected_total", "corrupt, truncated or foreign checkpoints refused").Metric(labels=labels),
+            "checkpoints_failed": counter("kvpop_session_checkpoint_failures_total", "session checkpoint writes that failed (disk full, permissions)").Metric(labels=labels),
             "cold_removed": counter("kvpop_session_checkpoints_removed_total", "checkpoints deleted past the size limit or TTL").Metric(labels=labels),
         }
         self.session_hits = {tier: hits.Metric(labels={**labels, "tier": tier}) for tier in SESSION_TIERS}
@@ -90,6 +91,7 @@ class ServiceMetrics:
         self.session_bytes = {tier: tier_bytes.Metric(labels={**labels, "tier": tier}) for tier in SESSION_TIERS}
         self.session_entries = {tier: tier_entries.Metric(labels={**labels, "tier": tier}) for tier in SESSION_TIERS}
         self.session_restore = histogram("kvpop_session_restore_seconds", "time to read a session checkpoint from disk", RESTORE_BUCKETS)
+        self.session_checkpoint_queue = gauge("kvpop_session_checkpoint_queue", "session checkpoint writes pending on the store's writer thread")
         self._session_seen: dict[str, int] = {}
         self._session_prompt = self._session_reused = 0
         self._session_stats_at = 0.0
@@ -143,6 +145,10 @@ class ServiceMetrics:
             self._session_seen[name] = total
         for seconds in store.take_restore_seconds():
             self.session_restore.observe(seconds)
+
+    def observe_checkpoint_queue(self, pending: int) -> None:
+        """Set by the session store whenever a checkpoint write is queued or ends (any thread)."""
+        self.session_checkpoint_queue.set(pending)
 
     def observe_rejected(self, reason: str) -> None:
         self.rejected[reason].increment(1)

@@ -65,6 +65,7 @@ class KVpopService:
             AdmissionPolicy(config.kv_pool_mb * 2**20, config.min_kv_budget, config.max_queue_size), self.decoder.spec
         )
         self.sessions = self._session_store(Path(model_dir), config)
+        self.sessions.on_queue_change = getattr(metrics, "observe_checkpoint_queue", None)
         self.worker = EngineWorker(self._new_engine, self.tokenizer, admission, metrics, drain=DrainSignal()).start()
         self._ids = itertools.count()
 
@@ -116,7 +117,9 @@ class KVpopService:
         self.worker.submit(parsed, channel)
 
     def shutdown(self) -> None:
+        """Stop the engine, then write every session checkpoint still queued (the last turns')."""
         self.worker.stop()
+        self.sessions.close()
 
 
 __all__ = ["InvalidRequestError", "KVpopService", "Placement", "ServiceConfig"]

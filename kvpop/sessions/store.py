@@ -8,9 +8,13 @@ tier down (hot -> warm -> cold) and a session read from a lower tier moves back 
 files older than `cold_ttl_s`, then the oldest beyond `cold_bytes`, are deleted.
 
 When checkpoints are written: with `write_through` (the default) every `put` -- the end of every
-turn -- also writes the session's checkpoint, so a SIGKILL between turns loses nothing; the memory
-tiers are then caches of the disk and demoting from warm only drops the copy. Without it, a session
-reaches the disk only when it is demoted from warm (a crash loses what was in memory).
+turn -- also queues the session's checkpoint; the memory tiers are then caches of the disk and
+demoting from warm only drops the copy. Without it, a session is queued for the disk only when it
+is demoted from warm (a crash loses what was in memory). Either way the write itself happens on the
+store's writer thread (`kvpop.sessions.writer`), never on the engine's step thread: a session whose
+write is still pending is served from that pending copy, never from an older file; `close` (model
+finalize) flushes every pending write, so only a SIGKILL within the few milliseconds a write takes
+loses that one turn's checkpoint (the session then continues from its previous one).
 
 Every id is validated and hashed with a keyed HMAC before it is a key or a file name; the secret is
 kept beside the checkpoints (`session.key`, mode 0600) so it survives restarts. Several instances
@@ -26,11 +30,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
-from kvpop.sessions.checkpoint import SUFFIX, CheckpointError, read_checkpoint, write_checkpoint
+from kvpop.sessions.checkpoint import SUFFIX, CheckpointError, read_checkpoint
 from kvpop.sessions.evict_policy import LRUPolicy
 from kvpop.sessions.ids import SessionKey
 from kvpop.sessions.state import SessionState
+from kvpop.sessions.writer import CheckpointWriter, WriteOutcome
 
 HOT, WARM, COLD = "hot", "warm", "cold"
 TIERS = (HOT, WARM, COLD)
@@ -46,10 +52,13 @@ class TierLimits:
     cold_bytes: int = 1 << 30
     cold_ttl_s: float = 24 * 3600.0
     write_through: bool = True  # checkpoint every put (survives a crash between turns)
+    checkpoint_queue: int = 64  # checkpoint writes pending at most before a put waits for the disk
 
     def __post_init__(self) -> None:
         if self.hot_bytes < 0 or self.warm_bytes < 0 or self.cold_bytes < 0 or self.cold_ttl_s <= 0:
             raise ValueError(f"session tier limits must be >= 0 (ttl > 0), got {self}")
+        if self.checkpoint_queue < 1:
+            raise ValueError(f"checkpoint_queue must be >= 1, got {self.checkpoint_queue}")
 
 
 @dataclass
@@ -69,13 +78,18 @@ class StoreCounters:
     demotions: int = 0
     checkpoints_written: int = 0
     checkpoints_rejected: int = 0
+    checkpoints_failed: int = 0  # writes that raised (disk full, permissions): the session stays in memory
     cold_removed: int = 0
     restore_seconds: list[float] = field(default_factory=list)  # cold reads since the last `take_restore_seconds`
 
 
 class SessionStore:
-    def __init__(self, limits: TierLimits, fingerprint: str, secret: bytes | None = None, policy=None, clock=time.time) -> None:
+    def __init__(self, limits: TierLimits, fingerprint: str, secret: bytes | None = None, policy=None, clock=time.time,
+                 on_queue_change: Callable[[int], None] | None = None) -> None:
         self.limits = limits
+        # Told the number of pending checkpoint writes whenever it changes, from either thread: a gauge
+        # read only on engine steps would stay stale once the server is idle.
+        self.on_queue_change = on_queue_change
         self.fingerprint = fingerprint
         self.policy = policy or LRUPolicy()
         self.clock = clock
@@ -86,6 +100,7 @@ class SessionStore:
         if limits.cold_dir is not None:
             Path(limits.cold_dir).mkdir(parents=True, exist_ok=True)
         self.secret = secret if secret is not None else self._load_secret()
+        self._writer = CheckpointWriter(self._path, self._written, limits.checkpoint_queue) if limits.cold_dir is not None else None
 
     # -- keys and paths -------------------------------------------------------------------------
 
@@ -120,7 +135,8 @@ class SessionStore:
         return self.lookup(session_id)[0]
 
     def lookup(self, session_id: str) -> tuple[SessionState | None, str | None]:
-        """(state, the tier it was found in) as `get`; (None, None) when absent."""
+        """(state, the tier it was found in) as `get`; (None, None) when absent. A session whose
+        checkpoint is still being written counts as cold and is served from the pending copy."""
         digest = self.key(session_id)
         with self._lock:
             self.counters.lookups += 1
@@ -135,36 +151,60 @@ class SessionStore:
                     self._insert(HOT, digest, entry)
                     self._enforce_limits()
                     return entry.state, tier
-            state = self._read_cold(digest)
+            state = self._writer.pending(digest) if self._writer is not None else None
+            stamp = None  # a pending copy is newer than any file: the writer stamps it once written
+            if state is None:
+                state = self._read_cold(digest)
+                stamp = self._stamp(digest)
             if state is None:
                 return None, None
             self.counters.hits[COLD] += 1
             self.counters.promotions += 1
-            self._insert(HOT, digest, _Entry(state, state.nbytes, 0, hits=1, disk_stamp=self._stamp(digest)))
+            self._insert(HOT, digest, _Entry(state, state.nbytes, 0, hits=1, disk_stamp=stamp))
             self._enforce_limits()
             return state, COLD
 
     def put(self, session_id: str, state: SessionState) -> None:
-        """Keep `state` as the session's newest (hot tier; its checkpoint too with write_through)."""
+        """Keep `state` as the session's newest (hot tier; its checkpoint too with write_through,
+        queued for the writer thread). Waits only while the writer is `checkpoint_queue` writes behind."""
         digest = self.key(session_id)
+        if self._writer is not None:
+            self._writer.wait_for_room()  # outside the lock: the writer thread takes it when a write ends
         with self._lock:
             for tier in (HOT, WARM):
                 self._tiers[tier].pop(digest, None)
             if self.limits.write_through:
                 self._write_cold(digest, state)
-            self._insert(HOT, digest, _Entry(state, state.nbytes, 0, disk_stamp=self._stamp(digest)))
+            self._insert(HOT, digest, _Entry(state, state.nbytes, 0))
             self._enforce_limits()
 
     def remove(self, session_id: str) -> bool:
-        """Forget the session everywhere (memory and disk); whether it existed."""
+        """Forget the session everywhere (memory, pending write and disk); whether it existed."""
         digest = self.key(session_id)
         with self._lock:
             found = any(self._tiers[tier].pop(digest, None) is not None for tier in (HOT, WARM))
+            if self._writer is not None and self._writer.cancel(digest):
+                found = True
+                self._report_queue()
             path = self._path(digest)
             if path is not None and path.exists():
                 path.unlink(missing_ok=True)
                 found = True
             return found
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued checkpoint is on disk (or failed); False on timeout."""
+        return self._writer is None or self._writer.flush(timeout)
+
+    def close(self, timeout: float | None = 30.0) -> bool:
+        """Flush pending checkpoints and stop the writer thread (model finalize); False if some were
+        left after `timeout`. The store stays usable: a later write starts the thread again."""
+        return self._writer is None or self._writer.close(timeout)
+
+    @property
+    def checkpoint_queue(self) -> int:
+        """Checkpoint writes pending (queued or being written)."""
+        return 0 if self._writer is None else self._writer.depth
 
     def tier_of(self, session_id: str) -> str | None:
         digest = self.key(session_id)
@@ -172,6 +212,8 @@ class SessionStore:
             for tier in (HOT, WARM):
                 if digest in self._tiers[tier]:
                     return tier
+            if self._writer is not None and self._writer.pending(digest) is not None:
+                return COLD  # on its way to the disk
             path = self._path(digest)
             return COLD if path is not None and path.exists() else None
 
@@ -195,9 +237,10 @@ class SessionStore:
             return seconds
 
     def sweep(self) -> None:
-        """Delete expired and excess checkpoints (also done after every write)."""
+        """Delete expired and excess checkpoints (also done after every write, on the writer thread)."""
+        removed = self._sweep_cold()
         with self._lock:
-            self._sweep_cold()
+            self.counters.cold_removed += removed
 
     # -- tiers (called under the lock) ----------------------------------------------------------
 
@@ -231,12 +274,27 @@ class SessionStore:
             return None
 
     def _write_cold(self, digest: str, state: SessionState) -> None:
-        path = self._path(digest)
-        if path is None:
-            return
-        write_checkpoint(path, state, owner=digest)
-        self.counters.checkpoints_written += 1
-        self._sweep_cold()
+        if self._writer is not None:
+            self._writer.submit(digest, state)
+            self._report_queue()
+
+    def _report_queue(self) -> None:
+        if self.on_queue_change is not None:
+            self.on_queue_change(self.checkpoint_queue)
+
+    def _written(self, outcome: WriteOutcome) -> None:
+        """A write ended (writer thread): count it, stamp the memory copy it came from, sweep the disk."""
+        stored = outcome.error is None and not outcome.cancelled
+        with self._lock:
+            self.counters.checkpoints_failed += outcome.error is not None
+            self.counters.checkpoints_written += stored
+            for tier in (HOT, WARM) if stored else ():
+                entry = self._tiers[tier].get(outcome.digest)
+                if entry is not None and entry.state is outcome.state:
+                    entry.disk_stamp = outcome.stamp  # from now on a changed file wins over this copy
+        self._report_queue()
+        if stored:
+            self.sweep()
 
     def _read_cold(self, digest: str) -> SessionState | None:
         path = self._path(digest)
@@ -269,12 +327,16 @@ class SessionStore:
             files.append((path, info.st_size, info.st_mtime))
         return sorted(files, key=lambda item: item[2])
 
-    def _sweep_cold(self) -> None:
+    def _sweep_cold(self) -> int:
+        """Delete expired checkpoints, then the oldest past `cold_bytes`; how many. Needs no lock (files
+        only), so the writer thread's directory scan never holds up a lookup."""
         files = self._cold_files()
         now = self.clock()
         total = sum(size for _, size, _ in files)
+        removed = 0
         for path, size, mtime in files:
             if now - mtime > self.limits.cold_ttl_s or total > self.limits.cold_bytes:
                 path.unlink(missing_ok=True)
                 total -= size
-                self.counters.cold_removed += 1
+                removed += 1
+        return removed

@@ -39,6 +39,30 @@ def build_model_repository(root: Path, exported_model: Path, engine_parameters: 
     return root
 
 
+def wait_for_checkpoint(sessions_dir: Path, session_id: str, tokens: int, timeout: float = 30.0) -> Path:
+    """The session's checkpoint file once it holds `tokens` tokens. Checkpoints are written by the
+    store's writer thread a few milliseconds after the turn's response, so a test that reads, damages
+    or relies on the file (a SIGKILL) waits for it; the file name is the id's keyed hash."""
+    import json
+    import struct
+    import time
+
+    from kvpop.sessions import SessionKey
+
+    path = sessions_dir / f"{SessionKey.of(session_id, (sessions_dir / 'session.key').read_bytes()).digest}.safetensors"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            data = path.read_bytes()
+            header = json.loads(data[8 : 8 + struct.unpack("<Q", data[:8])[0]])
+            if header["tokens"]["shape"] == [tokens]:
+                return path
+        except (OSError, ValueError, KeyError, struct.error):
+            pass
+        time.sleep(0.01)
+    raise AssertionError(f"no checkpoint of {session_id!r} with {tokens} tokens after {timeout} s")
+
+
 # Small limits so that admission, degradation and overload can be reached with a tiny model:
 # 1 MiB of KV pool is 2048 slots of the tiny model (512 bytes per slot, all layers and heads).
 TEST_ENGINE_PARAMETERS = {

@@ -10,6 +10,8 @@ import time
 import numpy as np
 import pytest
 
+from e2e.conftest import wait_for_checkpoint
+
 pytestmark = pytest.mark.server
 MIB = 2**20
 SESSIONS = 7
@@ -93,7 +95,7 @@ def test_a_checkpoint_from_another_model_is_refused_and_the_server_stays_up(tier
     server, client, metric, refresh = tiered
     first = client.generate(prompt_of(50, 40), max_tokens=4, ignore_eos=True, session_id="foreign")
     sessions_dir = server.model_repository / "kvpop_engine" / "sessions"
-    path = max(sessions_dir.glob("*.safetensors"), key=lambda item: item.stat().st_mtime_ns)
+    path = wait_for_checkpoint(sessions_dir, "foreign", 40 + 3)
     fingerprint = _header_metadata(path.read_bytes())["fingerprint"]
     state = read_checkpoint(path, owner=path.stem, fingerprint=fingerprint)
     time.sleep(0.01)

@@ -9,6 +9,8 @@ import pytest
 
 from kvpop_client import KVpopServerError
 
+from e2e.conftest import wait_for_checkpoint
+
 pytestmark = pytest.mark.server
 TURNS = 10
 REPLY = 12
@@ -76,6 +78,8 @@ def test_sessions_beyond_memory_go_to_disk_and_come_back(kvpop_grpc, metrics, tr
     names = [f"many-{index}" for index in range(6)]
     first = {name: kvpop_grpc.generate(user_turn(0), max_tokens=4, ignore_eos=True, session_id=name) for name in names}
     sessions_dir = triton_server.model_repository / "kvpop_engine" / "sessions"
+    for name in names:
+        wait_for_checkpoint(sessions_dir, name, len(user_turn(0)) + 3)
     assert len(list(sessions_dir.glob("*.safetensors"))) >= len(names)
     assert not any(name in path.name for name in names for path in sessions_dir.iterdir())
     for name in names:
@@ -87,7 +91,7 @@ def test_corrupt_checkpoint_is_refused_and_the_turn_prefills_cold(kvpop_grpc, tr
     first = kvpop_grpc.generate(user_turn(0), max_tokens=4, ignore_eos=True, session_id="to-corrupt")
     sessions_dir = triton_server.model_repository / "kvpop_engine" / "sessions"
     rejected = metrics("kvpop_session_checkpoints_rejected_total")
-    newest = max(sessions_dir.glob("*.safetensors"), key=lambda path: path.stat().st_mtime_ns)
+    newest = wait_for_checkpoint(sessions_dir, "to-corrupt", len(user_turn(0)) + 3)
     newest.write_bytes(newest.read_bytes()[:200])  # the memory copy is stale now: the disk is read and refused
     follow = kvpop_grpc.generate(user_turn(0) + first.output_ids + [9], max_tokens=4, ignore_eos=True, session_id="to-corrupt")
     assert follow.finish_reason == "length" and follow.tokens_reused == 0
@@ -115,6 +119,11 @@ def test_sigkill_between_turns_then_restart_continues_every_checkpointed_session
     with first:
         with KVpopClient(first.grpc_url, "grpc") as client:
             before = {name: conversation(client, name, turns=2) for name in ("k1", "k2")}
+        # A checkpoint is on disk a few milliseconds after its turn's response (the store's writer
+        # thread); a SIGKILL before that would lose only that turn's (the session would go on from turn 1's).
+        for name, results in before.items():
+            history = user_turn(0) + results[0].output_ids + user_turn(1) + results[1].output_ids
+            wait_for_checkpoint(root / "kvpop_engine" / "sessions", name, len(history) - 1)
         first.process.kill()  # SIGKILL: no shutdown hook runs
         first.process.wait()
         first.kill_leftovers()

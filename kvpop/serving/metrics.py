@@ -16,6 +16,7 @@ COMPRESSION_BUCKETS = [0.0, 0.25, 0.5, 0.75, 0.875, 0.9375, 0.97, 0.99]
 FINISH_REASONS = ("stop", "length", "cancelled")
 SESSION_TIERS = ("hot", "warm", "cold")
 RESTORE_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
+STEP_GAUGE_INTERVAL = 0.1  # seconds between sets of the per-step gauges while requests run (each is an IPC round trip)
 SESSION_STATS_INTERVAL = 1.0  # seconds between reads of the store's tiers (the cold one is a directory scan)
 
 
@@ -95,10 +96,15 @@ class ServiceMetrics:
         self._session_seen: dict[str, int] = {}
         self._session_prompt = self._session_reused = 0
         self._session_stats_at = 0.0
+        self._step_gauges_at = 0.0
 
     def observe_step(self, batch_size: int, kv_bytes_in_use: int, kv_bytes_reserved: int, active: int, queued: int) -> None:
         if batch_size:
             self.batch_size.observe(batch_size)
+        now = time.monotonic()
+        if (active or queued) and now - self._step_gauges_at < STEP_GAUGE_INTERVAL:
+            return  # busy: at most every 100 ms; idle (nothing active or queued): always, so they settle at 0
+        self._step_gauges_at = now
         self.kv_bytes_in_use.set(kv_bytes_in_use)
         self.kv_bytes_reserved.set(kv_bytes_reserved)
         self.active.set(active)

@@ -1,6 +1,6 @@
 """Python client for the KVpop Triton text-generation service."""
 
-from kvpop_client.client import KVpopClient
+from kvpop_client.client import KVpopClient, Session, new_session_id
 from kvpop_client.errors import KVpopClientError, KVpopServerError, ResponseValidationError
 from kvpop_client.types import FINISH_REASONS, Generation, StreamChunk
 
@@ -11,5 +11,7 @@ __all__ = [
     "KVpopClientError",
     "KVpopServerError",
     "ResponseValidationError",
+    "Session",
     "StreamChunk",
+    "new_session_id",
 ]

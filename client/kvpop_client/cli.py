@@ -37,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument("--policy", dest="eviction_policy")
     chat.add_argument("--kv-budget", type=int)
     chat.add_argument("--compression-ratio", type=float)
+    chat.add_argument("--no-session", dest="session", action="store_false",
+                      help="send the whole history every turn without a server-side session (every turn prefills it all)")
+    chat.add_argument("--show-reuse", action="store_true",
+                      help="after each answer, print to stderr how many prompt tokens the session reused and how many were computed")
     metrics = commands.add_parser("metrics", help="print the kvpop_* Prometheus metrics")
     metrics.add_argument("--metrics-url", default="http://localhost:8002/metrics")
     args = parser.parse_args(argv)
@@ -75,25 +79,44 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _chat(client: KVpopClient, args: argparse.Namespace) -> int:
-    """Read user turns from stdin until EOF (or "exit"), streaming each answer and keeping the history."""
+    """Read user turns from stdin until EOF, "exit" or Ctrl-C, streaming each answer and keeping the
+    history. One server-side session (a random id) spans the turns, so each turn computes only its new
+    tokens; it is closed on the way out."""
     options = {name: getattr(args, name) for name in ("temperature", "eviction_policy", "kv_budget", "compression_ratio")}
+    session = client.session(**options) if args.session else None
+    if session is not None and args.show_reuse:
+        print(f"[session {session.id}]", file=sys.stderr, flush=True)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
-    while True:
-        if interactive:
-            print("> ", end="", flush=True)
-        line = sys.stdin.readline()
-        if not line or line.strip() in ("exit", "quit"):
-            return 0
-        if not line.strip():
-            continue
-        messages.append({"role": "user", "content": line.rstrip("\n")})
-        answer = []
-        for chunk in client.stream_chat(messages, max_tokens=args.max_tokens, **options):
-            print(chunk.text, end="", flush=True)
-            answer.append(chunk.text)
-        print(flush=True)
-        messages.append({"role": "assistant", "content": "".join(answer).strip()})
+    try:
+        while True:
+            if interactive:
+                print("> ", end="", flush=True)
+            line = sys.stdin.readline()
+            if not line or line.strip() in ("exit", "quit"):
+                return 0
+            if not line.strip():
+                continue
+            messages.append({"role": "user", "content": line.rstrip("\n")})
+            answer, result = [], None
+            chunks = session.stream_chat(messages, max_tokens=args.max_tokens) if session else \
+                client.stream_chat(messages, max_tokens=args.max_tokens, **options)
+            for chunk in chunks:
+                print(chunk.text, end="", flush=True)
+                answer.append(chunk.text)
+                result = chunk.result or result
+            print(flush=True)
+            if args.show_reuse and result is not None:
+                print(f"[tokens reused {result.tokens_reused}, computed {result.tokens_computed}]", file=sys.stderr, flush=True)
+            # Stripped as the chat template expects; a template that renders it back to the same
+            # tokens lets the next turn reuse the whole conversation.
+            messages.append({"role": "assistant", "content": "".join(answer).strip()})
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    finally:
+        if session is not None and len(messages) > (1 if args.system else 0):
+            session.close()
 
 
 if __name__ == "__main__":

@@ -2,12 +2,16 @@
 
 Complete answers go to `kvpop_service` (HTTP /infer works with it); token streams go to the decoupled
 `kvpop_engine`, over gRPC bidirectional streaming or HTTP server-sent events (`generate_stream`).
+
+Sessions: every call takes `session_id=`; `client.session()` opens a `Session` that sends its own
+random id with every turn and closes it on the server when it is closed (or its `with` block ends).
 """
 
 from __future__ import annotations
 
 import json
 import queue
+import secrets
 import urllib.error
 import urllib.request
 import uuid
@@ -151,6 +155,19 @@ class KVpopClient:
         """`chat`, streamed: yields the answer's text as it is generated (see `stream`)."""
         return self.stream(_checked_chat(messages), max_tokens, stop, **options)
 
+    # Sessions ----------------------------------------------------------------------------------
+    def session(self, session_id: str | None = None, **options: Any) -> "Session":
+        """A conversation whose cache the server keeps between turns: each call sends `session_id`
+        (default: a new random one) and `options` (e.g. eviction_policy, kv_budget: reuse needs the
+        same ones every turn); closing it frees the server's state."""
+        return Session(self, session_id or new_session_id(), options)
+
+    def close_session(self, session_id: str) -> None:
+        """Forget a session's saved state on the server (memory and checkpoint). The service has no
+        request that only closes, so this is a one-token turn with `session_close` (its answer is
+        dropped); closing an unknown or already closed id is harmless."""
+        self.generate([0], max_tokens=1, session_id=session_id, session_close=True)
+
     def stream(self, prompt: str | Sequence[int], max_tokens: int | None = None, stop: Sequence[str] = (),
                **options: Any) -> Iterator[StreamChunk]:
         """Yield text and tokens as they are generated; the last chunk carries the validated result.
@@ -231,6 +248,51 @@ class KVpopClient:
                 if chunk.result is not None:
                     return
         raise KVpopServerError("the stream ended before its final answer (the server went away)", "UNAVAILABLE")
+
+
+class Session:
+    """One conversation kept on the server: the `KVpopClient` calls with this session's id and options.
+
+    Send the whole history every turn as usual; the server then computes only what is new (each
+    result's `tokens_reused` / `tokens_computed` say how much). Use it as a context manager, or call
+    `close` (idempotent) when the conversation ends."""
+
+    def __init__(self, client: KVpopClient, session_id: str, options: dict[str, Any]) -> None:
+        self.client, self.id, self.options = client, session_id, options
+        self.closed = False
+
+    def _options(self, options: dict[str, Any]) -> dict[str, Any]:
+        if self.closed:
+            raise RuntimeError(f"session {self.id} is closed")
+        return {**self.options, **options, "session_id": self.id}
+
+    def generate(self, prompt: str | Sequence[int], max_tokens: int | None = None, stop: Sequence[str] = (), **options: Any) -> Generation:
+        return self.client.generate(prompt, max_tokens, stop, **self._options(options))
+
+    def stream(self, prompt: str | Sequence[int], max_tokens: int | None = None, stop: Sequence[str] = (), **options: Any) -> Iterator[StreamChunk]:
+        return self.client.stream(prompt, max_tokens, stop, **self._options(options))
+
+    def chat(self, messages: Sequence[dict], max_tokens: int | None = None, stop: Sequence[str] = (), **options: Any) -> Generation:
+        return self.client.chat(messages, max_tokens, stop, **self._options(options))
+
+    def stream_chat(self, messages: Sequence[dict], max_tokens: int | None = None, stop: Sequence[str] = (), **options: Any) -> Iterator[StreamChunk]:
+        return self.client.stream_chat(messages, max_tokens, stop, **self._options(options))
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.client.close_session(self.id)
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def new_session_id() -> str:
+    """An opaque random id (32 url-safe characters: within the server's allowed set and length)."""
+    return secrets.token_urlsafe(24)
 
 
 def _chunk(values: dict, previous: list[StreamChunk], max_tokens: int | None) -> StreamChunk:

@@ -36,7 +36,7 @@ def random_sequence(length: int, seed: int = 0, config: ScorerConfig = CONFIGS["
 
 @pytest.mark.parametrize("window", [0, 3, 10])
 @pytest.mark.parametrize("block_size", [1, 7, 64])
-@pytest.mark.parametrize("first_query", [0, 30])
+@pytest.mark.parametrize("first_query", [0, 30, 50])  # 50: no query counts (the banded path)
 def test_blockwise_targets_match_dense(window, block_size, first_query):
     generator = torch.Generator().manual_seed(window)
     query = 2 * torch.randn(6, 50, 8, generator=generator)  # 6 query heads share 2 KV heads
@@ -116,6 +116,31 @@ def test_continuation_targets_take_the_max_over_runs(tiny_hf_model_dir):
     expected = future_importance(torch.stack(means).amax(0))
     assert trace.length == tokenizer(text.runs()[0], return_tensors="pt").input_ids.shape[1]
     torch.testing.assert_close(trace.target[..., : context - 4], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_context_reuse_gives_the_full_rerun_trace(tiny_hf_model_dir):
+    """The context run once and each continuation on its cache (queries offset by the context) gives
+    the trace of re-running the whole text per continuation: keys, values, targets, window attention."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvpop_train.scorer.traces import TraceText, collect_traces
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_hf_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_hf_model_dir)
+    texts = [
+        TraceText("Facts sit in a long context between filler words. " * 4, ("Which fact?", "The other one, please.")),
+        TraceText("A context cut by max_tokens keeps no continuation query. " * 8, ("Never seen.",)),
+        "A plain text without continuations runs once either way. " * 3,
+    ]
+    reused = collect_traces(model, tokenizer, texts, window=4, max_tokens=64, block_size=5, progress=False)
+    rerun = collect_traces(model, tokenizer, texts, window=4, max_tokens=64, progress=False, reuse_context=False)
+    assert len(reused) == len(rerun) == 3
+    for fast, slow in zip(reused, rerun):
+        assert fast.length == slow.length
+        torch.testing.assert_close(fast.key, slow.key, atol=2e-3, rtol=2e-3)  # fp16 storage
+        torch.testing.assert_close(fast.value, slow.value, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(fast.target, slow.target, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(fast.window_attention, slow.window_attention, atol=1e-4, rtol=1e-4)
 
 
 # -- network ------------------------------------------------------------------------------------

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.nn import functional
 from tqdm import tqdm
 
-from kvpop_train.scorer.targets import attention_received, future_importance
+from kvpop_train.scorer.targets import AttentionSums, attention_sums, future_importance
 
 CAPTURE_ATTENTION = "kvpop_trace"
 DEFAULT_TASK_LENGTHS = (512, 1024, 2048)  # prompt lengths of the reference benchmark
@@ -117,27 +118,29 @@ def task_texts(
 
 
 class _Recorder:
-    """Per-forward store filled by the capture attention function, one entry per layer."""
+    """Per-forward store filled by the capture attention function, one entry per layer: the keys and
+    values so far (a cache's and the new ones) and the attention sums of the forward's queries."""
 
     def __init__(self, window: int, block_size: int | None) -> None:
         self.window, self.block_size = window, block_size
         self.first_query = 0  # queries before it do not count toward the targets
-        self.layers: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor, AttentionSums]] = {}
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         if query.shape[0] != 1:
             raise ValueError("trace collection runs one unpadded sequence at a time")
-        received = attention_received(query[0], key[0], self.window, scaling, self.block_size, self.first_query)
-        self.layers[module.layer_idx] = (key[0].half(), value[0].half(), received.future_mean, received.window)
+        sums = attention_sums(query[0], key[0], self.window, scaling, self.block_size, self.first_query)
+        self.layers[module.layer_idx] = (key[0].half(), value[0].half(), sums)
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
-    def take(self) -> tuple[torch.Tensor, ...]:
-        """(key, value, future_mean, window) of the last forward, stacked over layers."""
-        fields = tuple(torch.stack(per_layer) for per_layer in zip(*(self.layers[i] for i in sorted(self.layers))))
+    def take(self) -> tuple[torch.Tensor, torch.Tensor, AttentionSums]:
+        """(key, value, sums) of the last forward, stacked over layers: (L, Hkv, S, D) twice, (L, Hkv, G, S)."""
+        key, value, sums = zip(*(self.layers[i] for i in sorted(self.layers)))
         self.layers = {}
-        return fields
+        stacked = AttentionSums(torch.stack([s.future for s in sums]), torch.stack([s.in_window for s in sums]))
+        return torch.stack(key), torch.stack(value), stacked
 
 
 def _shared_prefix(runs: list[torch.Tensor]) -> int:
@@ -145,6 +148,24 @@ def _shared_prefix(runs: list[torch.Tensor]) -> int:
     shortest = min(len(ids) for ids in runs)
     same = torch.stack([ids[:shortest] for ids in runs]).eq(runs[0][:shortest]).all(dim=0)
     return int(shortest if same.all() else same.long().argmin())
+
+
+def _pad(tensor: torch.Tensor, length: int) -> torch.Tensor:
+    """Zero-pad the last dimension to `length`."""
+    return functional.pad(tensor, (0, length - tensor.shape[-1]))
+
+
+def _combine(runs: list[AttentionSums], lengths: list[int], context: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(future_mean, window_attention) of run 0's tokens from per-run sums (each over its own keys):
+    a context token's future mean is the max over the runs (it is worth what the continuation that
+    needs it most gives it), a continuation token's is run 0's."""
+    first = runs[0].received(window, context, lengths[0])
+    future_mean = first.future_mean.clone()
+    shared = min(context, *(length - window for length in lengths))
+    if len(runs) > 1 and shared > 0:
+        means = [run.received(window, context, length).future_mean[..., :shared] for run, length in zip(runs, lengths)]
+        future_mean[..., :shared] = torch.stack(means).amax(dim=0)
+    return future_mean, first.window
 
 
 @torch.no_grad()
@@ -156,16 +177,28 @@ def collect_traces(
     max_tokens: int = 4096,
     block_size: int | None = None,
     progress: bool = True,
+    reuse_context: bool = True,
 ) -> list[Trace]:
     """Run `model` (a HF causal LM) over `texts`, one sequence at a time, and return their traces.
 
     A TraceText with continuations gives one trace: the first run's keys and values, with targets
     from the continuation queries only; a context token's target is the max over the runs of its mean
-    future attention (per query head), then max over the group, in log space."""
-    from transformers import AttentionInterface
+    future attention (per query head), then max over the group, in log space.
+
+    With `reuse_context` the context runs once (its keys and values kept in the model's cache, its
+    queries giving only the in-window attention, since none of them count toward the targets) and
+    each continuation runs on top of that cache, cropped back to the context after it: the cost of
+    a text is one context plus its continuations, not one context per continuation. Without it every
+    run is a whole forward (the original path, kept as the reference the tests compare against).
+    """
+    from transformers import AttentionInterface, DynamicCache
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
     recorder = _Recorder(window, block_size)
     AttentionInterface.register(CAPTURE_ATTENTION, recorder)
+    # SDPA's masks: without one registered, transformers passes no mask to a custom attention function,
+    # and SDPA's is_causal is wrong for queries on top of a cache (it aligns the causal mask top-left).
+    AttentionMaskInterface.register(CAPTURE_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     previous = model.config._attn_implementation
     model.set_attn_implementation(CAPTURE_ATTENTION)
     texts = [TraceText(text) if isinstance(text, str) else text for text in texts]
@@ -180,15 +213,35 @@ def collect_traces(
             if text.continuations:
                 context = _shared_prefix([tokenizer(text.context, return_tensors="pt").input_ids[0], *runs])
             recorder.first_query = context
-            recorded = []
-            for ids in runs:
-                model(input_ids=ids[None], use_cache=False, logits_to_keep=1)
-                recorded.append(recorder.take())
-            key, value, future_mean, window_attention = recorded[0]
-            if len(recorded) > 1:  # context tokens: the continuation that needs them most
-                shared = min(context, *(run[2].shape[-1] for run in recorded))
-                future_mean = future_mean.clone()
-                future_mean[..., :shared] = torch.stack([run[2][..., :shared] for run in recorded]).amax(dim=0)
+            lengths = [len(ids) for ids in runs]
+            if reuse_context and context > 0:
+                cache = DynamicCache(config=model.config)
+                model(input_ids=runs[0][None, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
+                key, value, context_sums = recorder.take()
+                sums = []
+                for index, ids in enumerate(runs):
+                    if len(ids) == context:  # nothing after the context (cut by max_tokens): no counted query
+                        sums.append(AttentionSums(torch.zeros_like(context_sums.future), torch.zeros_like(context_sums.future)))
+                        continue
+                    model(input_ids=ids[None, context:], past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    run_key, run_value, run_sums = recorder.take()
+                    if index == 0:
+                        key, value = run_key, run_value
+                    sums.append(run_sums)
+                    cache.crop(context - len(ids))  # negative: tokens to drop (every transformers version)
+                sums[0] = AttentionSums(
+                    _pad(sums[0].future, lengths[0]),
+                    _pad(sums[0].in_window, lengths[0]) + _pad(context_sums.in_window, lengths[0]),
+                )
+            else:
+                sums = []
+                for index, ids in enumerate(runs):
+                    model(input_ids=ids[None], use_cache=False, logits_to_keep=1)
+                    run_key, run_value, run_sums = recorder.take()
+                    if index == 0:
+                        key, value = run_key, run_value
+                    sums.append(run_sums)
+            future_mean, window_attention = _combine(sums, lengths, context, window)
             traces.append(Trace(key, value, future_importance(future_mean), window_attention))
     finally:
         model.set_attn_implementation(previous)

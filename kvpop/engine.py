@@ -398,7 +398,7 @@ class Engine:
         positions = np.array([[cache.tokens_seen] for cache in caches], dtype=np.int64)  # (B, 1)
         attention = any(cache.policy.needs_attention for cache in caches)
         out = self.decoder.run(input_ids, positions, past_key, past_value, slot_mask, last_only=True, attention=attention)
-        self.cache_manager.store(caches, out)
+        self.cache_manager.store_decode(caches, out)
         return [self._accept(sequence, sequence.sampler(out.logits[row, -1])) for row, sequence in enumerate(sequences)]
 
     def _accept(self, sequence: _Sequence, token: int) -> TokenEvent:

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvpop.cache.decode_batch import append_decode_batch
 from kvpop.cache.pool import BatchSlotPool
 from kvpop.cache.slot_cache import SlotCache, round_up_slots
 from kvpop.model_spec import ModelSpec
@@ -99,6 +100,7 @@ class CacheManager:
         self.sessions = sessions  # finished sequences with a session_id are kept here
         self.learned_scorers = learned_scorers or {}  # kind -> scorer shared by every sequence
         self._caches: dict[str, SlotCache] = {}  # request id -> cache of a running sequence
+        self.batch_decode = True  # vectorised decode appends (False: every append per sequence, as a check)
 
     # -- running sequences ----------------------------------------------------------------------
 
@@ -159,6 +161,15 @@ class CacheManager:
         """Append each row of a decoder step to its cache (row r belongs to caches[r])."""
         for row, cache in enumerate(caches):
             append_output(cache, out, row)
+
+    def store_decode(self, caches: list[SlotCache], out: "StepOutput") -> None:
+        """A decode step's new tokens (caches bound by `decode_inputs`, in its order): full kvpop caches
+        in vectorised groups (kvpop.cache.decode_batch), the rest one by one."""
+        rows = range(len(caches))
+        if self.batch_decode:
+            rows = append_decode_batch(caches, self.pool, out.new_key, out.new_value)
+        for row in rows:
+            append_output(caches[row], out, row)
 
     # -- sessions -------------------------------------------------------------------------------
 

@@ -163,7 +163,7 @@ class SlotCache:
 
     # -- writing tokens -------------------------------------------------------------------------
 
-    def _written(self, where) -> None:
+    def record_write(self, where) -> None:
         if self._writes is not None:
             self._writes.append(where)
 
@@ -207,7 +207,7 @@ class SlotCache:
         self.reserve(stop)
         self.key[:, :, start:stop] = update.key
         self.value[:, :, start:stop] = update.value
-        self._written(np.s_[:, :, start:stop])
+        self.record_write(np.s_[:, :, start:stop])
         self.position[:, :, start:stop] = update.positions
         for name, stat in self.statistics.items():
             stat[:, :, start:stop] = new_statistics[name]
@@ -229,12 +229,12 @@ class SlotCache:
         # Keep the `capacity` highest priorities per head; empty old slots always lose.
         priority = np.where(candidates.valid, priority, -np.inf)
         if new_tokens == 1:  # a decode step: each head drops one candidate, the new token or an old slot
-            dropped_one = np.argpartition(priority, 0, axis=2)[..., 0]  # (L, Hkv)
+            dropped_one = priority.argmin(axis=2)  # (L, Hkv); ties: the first slot (as decode_batch)
             layer, head = np.nonzero(dropped_one < capacity)  # heads that keep the new token
             slot = dropped_one[layer, head]
             self.key[layer, head, slot] = update.key[layer, head, 0]
             self.value[layer, head, slot] = update.value[layer, head, 0]
-            self._written((layer, head, slot))
+            self.record_write((layer, head, slot))
             self.position[layer, head, slot] = update.positions[0]
             for name, stat in self.statistics.items():
                 stat[layer, head, slot] = new_statistics[name][layer, head, 0]
@@ -253,7 +253,7 @@ class SlotCache:
         slot, token = slots[layer, head, pair], tokens[layer, head, pair]
         self.key[layer, head, slot] = update.key[layer, head, token]
         self.value[layer, head, slot] = update.value[layer, head, token]
-        self._written((layer, head, slot))
+        self.record_write((layer, head, slot))
         self.position[layer, head, slot] = update.positions[token]
         for name, stat in self.statistics.items():
             stat[layer, head, slot] = new_statistics[name][layer, head, token]

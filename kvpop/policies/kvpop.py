@@ -39,6 +39,20 @@ class KVpopPolicy(EvictionPolicy):
         return self._scorer.needs_attention
 
     @property
+    def token_scorer(self) -> TokenScorer:
+        return self._scorer
+
+    def decodes_in_batch(self, cache) -> bool:
+        """Whether this full cache's next one-token append may run vectorised with others
+        (kvpop.cache.decode_batch): exactly one token leaves the window, the new token stays in it, an
+        unprotected slot exists to drop, and the scorer can score a batch in this state."""
+        sinks, window = self.protected_counts(cache.budget)
+        return (
+            window >= 1 and cache.budget >= sinks + window and cache.tokens_seen - window >= sinks
+            and self._scorer.scores_decode_batch(cache.policy_state)
+        )
+
+    @property
     def statistics(self) -> tuple[str, ...]:
         return (SCORE, *self._scorer.statistics)
 

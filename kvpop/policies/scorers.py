@@ -49,6 +49,22 @@ class TokenScorer(ABC):
     def score(self, cache: "SlotCache", state: Any, leaving: LeavingTokens) -> np.ndarray:
         """(L, Hkv, M) worth of the leaving tokens; higher is kept."""
 
+    def scores_decode_batch(self, state: Any) -> bool:
+        """Whether `score_decode_batch` may replace observe + score for a decode step in `state`."""
+        return False
+
+    def score_decode_batch(
+        self,
+        states: list[Any],
+        new_key: np.ndarray,  # (B, L, Hkv, D): each sequence's one new token
+        new_value: np.ndarray,  # (B, L, Hkv, D)
+        leaving_key: np.ndarray,  # (B, L, Hkv, D): the token leaving each head's window
+        leaving_value: np.ndarray,  # (B, L, Hkv, D)
+    ) -> np.ndarray:
+        """(B, L, Hkv) scores of the leaving tokens of B sequences' decode steps, each state advanced
+        exactly as `observe` then `score` of one token would (kvpop.cache.decode_batch)."""
+        raise NotImplementedError(f"scorer {self.name!r} does not score decode batches")
+
 
 class AccumulatedAttentionScorer(TokenScorer):
     """Score = attention the token received while it sat in the protected window (summed over the

@@ -185,6 +185,20 @@ class LearnedScorer(TokenScorer):
         np.put_along_axis(unsorted, order, scores, axis=2)
         return unsorted
 
+    def scores_decode_batch(self, state: ScorerState) -> bool:
+        # Reads no attention, and holds no tokens back (a prefill's last chunk may leave some).
+        return not self.statistics and state.pending_key.shape[2] == 0
+
+    def score_decode_batch(self, states, new_key, new_value, leaving_key, leaving_value) -> np.ndarray:
+        scores = np.empty(new_key.shape[:3], np.float32)  # (B, L, Hkv)
+        for row, state in enumerate(states):  # the rows of one step: new token t, its leaving token
+            score, state.recurrent = self.runtime.step(
+                state.recurrent, new_key[row, :, :, None], new_value[row, :, :, None],
+                leaving_key[row, :, :, None], leaving_value[row, :, :, None],
+            )
+            scores[row] = score[:, :, 0]
+        return scores
+
     def _consume(self, state: ScorerState, leaving: LeavingTokens | None) -> np.ndarray:
         """Run the pending tokens through the memory; the M leaving tokens go to the last M rows."""
         pending = state.pending_key.shape[2]

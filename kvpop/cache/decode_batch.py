@@ -1,0 +1,99 @@
+"""One decode step's appends for many full kvpop caches at once: the steady state of a bounded batch.
+
+Why: appending one token per sequence through `SlotCache.append` costs some sixty small numpy calls
+and one scorer call per sequence per step (on the reference model that is more than the decoder
+step itself: docs/benchmarks/SERVICE.md). In the steady state every such append is the same few
+operations: score the one token leaving the protected window, drop each head's lowest-priority
+unprotected slot, write the new token there. Here they run vectorised over the batch, with tensors
+(B, L, Hkv, C), and the learned scorer runs once for the batch (`LearnedScorer.score_decode_batch`).
+
+The decisions are exactly the per-sequence path's (tests/test_decode_batch.py compares caches and
+tokens). Everything else keeps the per-sequence path: prompt chunks, caches still filling up, other
+policies, scorers that read attention, a sequence whose scorer still holds tokens from its prefill.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import TYPE_CHECKING, Hashable
+
+import numpy as np
+
+from kvpop.policies.kvpop import SCORE, KVpopPolicy
+
+if TYPE_CHECKING:
+    from kvpop.cache.pool import BatchSlotPool
+    from kvpop.cache.slot_cache import SlotCache
+
+
+def batch_group(cache: "SlotCache") -> Hashable | None:
+    """Caches with equal groups can take this decode step together; None: this one takes the
+    per-sequence path (see the module docstring for when)."""
+    policy = cache.policy
+    if not isinstance(policy, KVpopPolicy) or cache.budget is None or cache.length != cache.capacity:
+        return None
+    if cache.capacity != cache.budget or not policy.decodes_in_batch(cache):
+        return None
+    sinks, window = policy.protected_counts(cache.budget)
+    return (id(policy.token_scorer), sinks, window, cache.capacity)
+
+
+def append_decode_batch(
+    caches: list["SlotCache"],
+    pool: "BatchSlotPool",
+    new_key: np.ndarray,  # (L, B, Hkv, 1, D): the decoder step's new tokens, row r = caches[r]
+    new_value: np.ndarray,  # (L, B, Hkv, 1, D)
+) -> list[int]:
+    """Append every eligible cache's new token in groups; return the rows left to the caller (to be
+    appended one by one with `SlotCache.append`). `caches` must be bound to `pool` in this order."""
+    groups: dict[Hashable, list[int]] = defaultdict(list)
+    rest = []
+    for row, cache in enumerate(caches):
+        group = batch_group(cache)
+        if group is None:
+            rest.append(row)
+        else:
+            groups[group].append(row)
+    for rows in groups.values():
+        _append_group([caches[row] for row in rows], np.array(rows), pool, new_key, new_value)
+    return rest
+
+
+def _append_group(
+    caches: list["SlotCache"], rows: np.ndarray, pool: "BatchSlotPool", new_key: np.ndarray, new_value: np.ndarray
+) -> None:
+    """B full caches of one kvpop policy configuration, each with exactly one token leaving its window."""
+    policy: KVpopPolicy = caches[0].policy
+    sinks, window = policy.protected_counts(caches[0].budget)
+    num_layers, _, num_kv_heads, _, _ = new_key.shape
+    batch = np.arange(len(caches))[:, None, None]  # index grids broadcasting to (B, L, Hkv)
+    layer = np.arange(num_layers)[None, :, None]
+    head = np.arange(num_kv_heads)[None, None, :]
+    pool_row = rows[:, None, None]
+
+    seen = np.array([cache.tokens_seen for cache in caches], np.int64)[:, None, None, None]  # (B, 1, 1, 1)
+    position = np.stack([cache.position for cache in caches])  # (B, L, Hkv, C)
+    score = np.stack([cache.statistics[SCORE] for cache in caches])  # (B, L, Hkv, C)
+    token_key = new_key[:, rows][:, :, :, 0].transpose(1, 0, 2, 3)  # (L, B, Hkv, 1, D) -> (B, L, Hkv, D)
+    token_value = new_value[:, rows][:, :, :, 0].transpose(1, 0, 2, 3)
+
+    # The token leaving the window (every head holds it: it was protected) gets its fixed score.
+    leaving = (position == seen - window).argmax(axis=3)  # (B, L, Hkv) slot
+    leaving_key = pool.key[layer, pool_row, head, leaving]  # (B, L, Hkv, D)
+    leaving_value = pool.value[layer, pool_row, head, leaving]
+    states = [cache.policy_state for cache in caches]
+    score[batch, layer, head, leaving] = policy.token_scorer.score_decode_batch(
+        states, token_key, token_value, leaving_key, leaving_value
+    )
+    # Each head drops its lowest-priority unprotected slot (the new token is in the window: kept).
+    protected = (position < sinks) | (position >= seen + 1 - window)
+    dropped = np.where(protected, np.inf, score).argmin(axis=3)  # (B, L, Hkv) slot
+    pool.key[layer, pool_row, head, dropped] = token_key
+    pool.value[layer, pool_row, head, dropped] = token_value
+    position[batch, layer, head, dropped] = seen[..., 0]
+    score[batch, layer, head, dropped] = 0.0  # a new token's score until it leaves the window
+    every_head = np.broadcast_to(layer[0], (num_layers, num_kv_heads)), np.broadcast_to(head[0], (num_layers, num_kv_heads))
+    for row, cache in enumerate(caches):
+        cache.position, cache.statistics[SCORE] = position[row], score[row]
+        cache.tokens_seen += 1
+        cache.record_write((*every_head, dropped[row]))

@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from kvpop.cache import SlotCache
-from kvpop.cache.manager import append_output
+from kvpop.cache.manager import Allocation, append_output
 from kvpop.decoder import DecoderStep
 from kvpop.engine import CacheConfig, Engine, GenerationRequest, SamplingParams, _Sequence
 from kvpop.sampling import Sampler
@@ -138,7 +138,7 @@ class SnapshotEngine(Engine):
 
     def _new_sequence(self, request: GenerationRequest) -> _Sequence:
         cache, logits = self.snapshot
-        sequence = _Sequence(request=request, cache=copy.deepcopy(cache), sampler=Sampler(request.sampling))
+        sequence = _Sequence(request=request, allocation=Allocation(copy.deepcopy(cache)), sampler=Sampler(request.sampling))
         sequence.prefilled = len(request.prompt_ids)
         sequence.pending_token = sequence.sampler(logits)
         return sequence

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvpop.cache import SlotCache
-from kvpop.cache.manager import CacheManager
+from kvpop.cache.manager import Allocation, CacheManager, PrefixCache
 from kvpop.decoder import DecoderStep, StepOutput
 from kvpop.policies import POLICIES, EvictionPolicy, TokenScorer, make_policy
 from kvpop.sampling import Sampler, SamplingParams
@@ -142,14 +142,16 @@ class GenerationResult:
     tokens_seen: int = 0
     policy: str = "full"
     matched_stop: str | None = None  # the stop string that ended it, if any (its tokens stay in output_ids)
-    tokens_reused: int = 0  # prompt tokens taken from the session's saved cache (not computed)
+    tokens_reused: int = 0  # prompt tokens taken from a saved session or a warm prefix (not computed)
     session_tier: str | None = None  # where the session's state was found (hot / warm / cold), if it was
+    prefix_lookup: bool = False  # the warm prefixes were searched (no session state continued it)
+    prefix_tokens_reused: int = 0  # of tokens_reused, those a warm prefix held
 
 
 @dataclass
 class _Sequence:
     request: GenerationRequest
-    cache: SlotCache
+    allocation: Allocation  # the cache the manager gave it, and how much of the prompt that held
     sampler: Sampler
     output_ids: list[int] = field(default_factory=list)
     pending_token: int = NO_TOKEN  # sampled, not yet fed to the model
@@ -157,8 +159,10 @@ class _Sequence:
     matched_stop: str | None = None
     prefilled: int = 0  # prompt tokens fed to the model so far
     chunk_size: int = 1  # prompt tokens per prefill call
-    session_tier: str | None = None  # the session's state was restored from this tier
-    tokens_reused: int = 0  # prompt tokens the restored session state already held
+
+    @property
+    def cache(self) -> SlotCache:
+        return self.allocation.cache
 
     @property
     def prompt_left(self) -> int:
@@ -182,9 +186,11 @@ class Engine:
         learned_scorers: dict[str, TokenScorer] | None = None,
         max_step_tokens: int | None = None,
         sessions: SessionStore | None = None,
+        prefixes: PrefixCache | None = None,
     ) -> None:
         """`max_step_tokens`: prompt tokens fed per step (at least one chunk; default one
-        `prefill_chunk`): the longest a running stream waits for prefill work between two tokens."""
+        `prefill_chunk`): the longest a running stream waits for prefill work between two tokens.
+        `sessions` and `prefixes` outlive an engine (a service restarts its engine after a failure)."""
         max_step_tokens = prefill_chunk if max_step_tokens is None else max_step_tokens
         if max_batch_size < 1 or prefill_chunk < 1 or max_step_tokens < 1:
             raise ValueError(
@@ -198,7 +204,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.max_step_tokens = max_step_tokens
         self.learned_scorers = learned_scorers or {}  # kind -> scorer shared by this engine's sequences
-        self.cache_manager = CacheManager(self.spec, decoder.device_store, sessions, self.learned_scorers)
+        self.cache_manager = CacheManager(self.spec, decoder.device_store, sessions, self.learned_scorers, prefixes)
         self._lock = threading.Lock()  # guards _waiting, _cancelled, _finished, _request_ids
         self._waiting: deque[GenerationRequest] = deque()
         self._cancelled: set[str] = set()
@@ -220,6 +226,15 @@ class Engine:
 
     def add_request(self, request: GenerationRequest) -> None:
         """Queue a request; it joins the running batch at the next step. Raises ValueError if invalid."""
+        self._check(request)
+        with self._lock:
+            if request.request_id in self._request_ids:
+                raise ValueError(f"request id {request.request_id!r} is already in use")
+            self._request_ids.add(request.request_id)
+            self._waiting.append(request)
+
+    def _check(self, request: GenerationRequest) -> None:
+        """ValueError unless this engine can run `request` (tokens, length, scorer, stops, session)."""
         bad = [token for token in request.prompt_ids if not 0 <= token < self.spec.vocab_size]
         if bad:
             raise ValueError(f"request {request.request_id!r}: token ids out of vocabulary [0, {self.spec.vocab_size}): {bad[:5]}")
@@ -239,11 +254,6 @@ class Engine:
             if self.cache_manager.sessions is None:
                 raise ValueError(f"request {request.request_id!r}: this engine keeps no sessions")
             validate_session_id(request.session_id)
-        with self._lock:
-            if request.request_id in self._request_ids:
-                raise ValueError(f"request id {request.request_id!r} is already in use")
-            self._request_ids.add(request.request_id)
-            self._waiting.append(request)
 
     def cancel(self, request_id: str) -> None:
         """Stop a request at the next step and free its slots (unknown or finished ids are ignored)."""
@@ -318,17 +328,39 @@ class Engine:
     # -- internals ----------------------------------------------------------------------------
 
     def _new_sequence(self, request: GenerationRequest) -> _Sequence:
-        """An admitted request's sequence with the cache the manager gives it (empty, or a session's
-        saved state); the rest of its prompt is fed by `_prefill_step`."""
+        """An admitted request's sequence with the cache the manager gives it (empty, a session's
+        saved state or a warm prefix's); the rest of its prompt is fed by `_prefill_step`."""
         allocation = self.cache_manager.allocate(request)
-        budget = allocation.cache.budget
+        return _Sequence(
+            request=request, allocation=allocation, sampler=Sampler(request.sampling),
+            chunk_size=self._chunk_size(allocation.cache.budget), prefilled=allocation.tokens_reused,
+        )
+
+    def _chunk_size(self, budget: int | None) -> int:
         # A bounded cache takes at most `budget` tokens per chunk, so no query ever sees more than
         # budget cached + budget new tokens (a larger chunk would flatter the policy).
-        chunk_size = self.prefill_chunk if budget is None else min(self.prefill_chunk, budget)
-        return _Sequence(
-            request=request, cache=allocation.cache, sampler=Sampler(request.sampling), chunk_size=chunk_size,
-            prefilled=allocation.tokens_reused, tokens_reused=allocation.tokens_reused, session_tier=allocation.session_tier,
-        )
+        return self.prefill_chunk if budget is None else min(self.prefill_chunk, budget)
+
+    def warm_prefix(self, prompt_ids: list[int], cache: CacheConfig) -> int:
+        """Prefill a common prompt beginning alone and keep its cache state, so that requests of this
+        cache configuration whose prompt starts with it begin from a copy (`kvpop.cache.prefix_cache`
+        says what that equals). A bounded policy keeps the longest part that fills whole prefill
+        chunks, where a cold prefill stands at a chunk boundary too. Returns the tokens kept (0: not
+        one whole chunk). Call it before `step` runs (it uses the step thread's cache manager)."""
+        if cache.compression is not None:
+            raise ValueError("a warm prefix needs a fixed budget: a compression ratio's budget depends on each request")
+        budget = cache.resolve_budget(len(prompt_ids), 0)
+        chunk = self._chunk_size(budget)
+        keep = len(prompt_ids) if budget is None else len(prompt_ids) // chunk * chunk
+        if keep == 0:
+            return 0
+        request = GenerationRequest(f"warm-prefix:{len(self.cache_manager.prefixes)}", prompt_ids[:keep], SamplingParams(max_tokens=1), cache)
+        self._check(request)
+        sequence = self._new_sequence(request)
+        self._feed_prompt(sequence)
+        self.cache_manager.save_prefix(sequence.cache, request.prompt_ids, cache)
+        self.cache_manager.free(request.request_id)
+        return keep
 
     def close_session(self, session_id: str) -> bool:
         """Forget a session's saved state (memory and disk); whether there was one."""
@@ -384,12 +416,17 @@ class Engine:
     def _prefill(self, request: GenerationRequest) -> _Sequence:
         """A request's whole prompt fed alone, chunk by chunk, with token 1 sampled (benchmarks)."""
         sequence = self._new_sequence(request)
+        out = self._feed_prompt(sequence)
+        sequence.pending_token = sequence.sampler(out.logits[0, -1])
+        return sequence
+
+    def _feed_prompt(self, sequence: _Sequence) -> StepOutput:
+        """The rest of one sequence's prompt, alone, chunk by chunk; the last chunk's output."""
         while sequence.prompt_left:
             length = min(sequence.chunk_size, sequence.prompt_left)
             out = self._run_chunk([sequence], length)
             sequence.prefilled += length
-        sequence.pending_token = sequence.sampler(out.logits[0, -1])
-        return sequence
+        return out
 
     def _decode(self, sequences: list[_Sequence]) -> list[TokenEvent]:
         caches = [sequence.cache for sequence in sequences]
@@ -439,8 +476,10 @@ class Engine:
             tokens_seen=cache.tokens_seen,
             policy=request.cache.policy,
             matched_stop=sequence.matched_stop,
-            tokens_reused=sequence.tokens_reused,
-            session_tier=sequence.session_tier,
+            tokens_reused=sequence.allocation.tokens_reused,
+            session_tier=sequence.allocation.session_tier,
+            prefix_lookup=sequence.allocation.prefix_lookup,
+            prefix_tokens_reused=sequence.allocation.prefix_tokens_reused,
         )
         if request.session_id is not None and request.end_session:
             self.close_session(request.session_id)

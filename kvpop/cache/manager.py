@@ -14,11 +14,14 @@ What it owns:
   - admission sizing: the slots a request's storage can take, in whole `GROWTH_BLOCK`s
     (`slots_needed`, what `kvpop.serving.admission` reserves);
   - the session store (hot / warm / cold tiers, `kvpop.sessions.store`): `save_session`,
-    `restore_session` (inside `allocate`), `close_session`.
+    `restore_session` (inside `allocate`), `close_session`;
+  - the warm prefixes (`kvpop.cache.prefix_cache`): `save_prefix` at load, a copy of the longest
+    matching one inside `allocate` when no session state continues the request.
 
 Flow of one engine step:
   1. admit: `allocate(request)` returns the sequence's cache: the session's saved state when the
-     prompt continues it, else an empty cache reserved at its worst case;
+     prompt continues it, else a warm prefix's state when the prompt starts with one, else an empty
+     cache reserved at its worst case (each a copy the sequence owns);
   2. prefill: `prefill_inputs(caches)` gives the decoder one cache's own arrays (no copy) or, for a
      batched chunk, stacked copies padded to the largest; `store(caches, out)` appends each row (the
      policy decides, the slot cache applies);
@@ -39,6 +42,7 @@ import numpy as np
 
 from kvpop.cache.decode_batch import append_decode_batch
 from kvpop.cache.pool import BatchSlotPool
+from kvpop.cache.prefix_cache import PrefixCache
 from kvpop.cache.slot_cache import SlotCache, round_up_slots
 from kvpop.model_spec import ModelSpec
 from kvpop.sessions import SessionState, SessionStore, capture_state, restore_cache
@@ -52,6 +56,7 @@ if TYPE_CHECKING:
     from kvpop.policies import TokenScorer
 
 log = logging.getLogger(__name__)
+PREFIX_FINGERPRINT = "warm-prefix"  # snapshots live and die with the loaded model: no model fingerprint needed
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,8 @@ class Allocation:
     cache: SlotCache
     tokens_reused: int = 0  # prompt tokens already in `cache` (not to be computed again)
     session_tier: str | None = None  # the session's state came from this tier (hot / warm / cold)
+    prefix_lookup: bool = False  # the warm prefixes were searched for this request
+    prefix_tokens_reused: int = 0  # of `tokens_reused`, those that came from a warm prefix
 
 
 def reserved_slots(budget: int | None, prompt_tokens: int, max_tokens: int) -> int:
@@ -92,6 +99,7 @@ class CacheManager:
         device_store: "DeviceKVStore | None" = None,
         sessions: SessionStore | None = None,
         learned_scorers: "dict[str, TokenScorer] | None" = None,
+        prefixes: PrefixCache | None = None,
     ) -> None:
         self.spec = spec
         self.dtype = np.dtype(spec.dtype)
@@ -99,22 +107,29 @@ class CacheManager:
         self.pool = BatchSlotPool(spec, track_writes=device_store is not None)
         self.sessions = sessions  # finished sequences with a session_id are kept here
         self.learned_scorers = learned_scorers or {}  # kind -> scorer shared by every sequence
+        self.prefixes = prefixes if prefixes is not None else PrefixCache()  # shared by a service's engines
         self._caches: dict[str, SlotCache] = {}  # request id -> cache of a running sequence
         self.batch_decode = True  # vectorised decode appends (False: every append per sequence, as a check)
 
     # -- running sequences ----------------------------------------------------------------------
 
     def allocate(self, request: "GenerationRequest") -> Allocation:
-        """The cache a newly admitted request starts from (its session's saved state when the prompt
-        continues it; else empty, with its worst case reserved so it never grows in the pool)."""
-        prompt_tokens, max_tokens = len(request.prompt_ids), request.sampling.max_tokens
-        budget = request.cache.resolve_budget(prompt_tokens, max_tokens)
+        """The cache a newly admitted request starts from: its session's saved state when the prompt
+        continues it, else the longest warm prefix it starts with, else empty (with its worst case
+        reserved so that it never grows in the pool)."""
+        budget = request.cache.resolve_budget(len(request.prompt_ids), request.sampling.max_tokens)
         allocation = self.restore_session(request, budget) if request.session_id is not None else None
+        if allocation is None and len(self.prefixes):
+            allocation = self.restore_prefix(request, budget)
         if allocation is None:
-            initial = 0 if budget is None else reserved_slots(budget, prompt_tokens, max_tokens)
-            allocation = Allocation(SlotCache(self.spec, request.cache.build_policy(self.learned_scorers), budget, initial))
+            allocation = Allocation(self._empty(request, budget))
         self._caches[request.request_id] = allocation.cache
         return allocation
+
+    def _empty(self, request: "GenerationRequest", budget: int | None) -> SlotCache:
+        """A new cache; a bounded one takes its whole storage now (what admission reserved)."""
+        initial = 0 if budget is None else reserved_slots(budget, len(request.prompt_ids), request.sampling.max_tokens)
+        return SlotCache(self.spec, request.cache.build_policy(self.learned_scorers), budget, initial)
 
     def free(self, request_id: str) -> None:
         """Forget a finished sequence's cache (its pool row goes at the next repack or release)."""
@@ -202,10 +217,30 @@ class CacheManager:
         """Forget a session's saved state (memory and disk); whether there was one."""
         return self.sessions.remove(session_id) if self.sessions is not None else False
 
+    # -- warm prefixes --------------------------------------------------------------------------
+
+    def restore_prefix(self, request: "GenerationRequest", budget: int | None) -> Allocation:
+        """A copy of the longest warm prefix the prompt starts with (same cache configuration), or an
+        empty cache; either way the lookup is reported."""
+        snapshot = self.prefixes.match(asdict(request.cache), budget, request.prompt_ids)
+        if snapshot is None:
+            return Allocation(self._empty(request, budget), prefix_lookup=True)
+        tokens = snapshot.tokens_seen
+        return Allocation(self._continue(snapshot, request, budget), tokens, prefix_lookup=True, prefix_tokens_reused=tokens)
+
+    def save_prefix(self, cache: SlotCache, tokens: list[int], cache_config: "CacheConfig") -> None:
+        """Keep a copy of a prefilled prefix's cache for requests of this configuration."""
+        self.prefixes.add(capture_state(cache, tokens, PREFIX_FINGERPRINT, asdict(cache_config)))
+
+    @property
+    def prefix_bytes(self) -> int:
+        """Bytes of the warm prefixes' snapshots (host memory, counted in the KV pool like hot sessions)."""
+        return self.prefixes.nbytes
+
     @property
     def hot_session_bytes(self) -> int:
         """Bytes of sessions kept in instance memory (they count against the KV pool)."""
         return self.sessions.hot_bytes if self.sessions is not None else 0
 
 
-__all__ = ["Allocation", "CacheManager", "append_output", "reserved_slots", "slots_needed"]
+__all__ = ["Allocation", "CacheManager", "PrefixCache", "append_output", "reserved_slots", "slots_needed"]

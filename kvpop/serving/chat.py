@@ -52,10 +52,11 @@ def parse_messages(raw: Any) -> list[dict[str, str]]:
     return messages
 
 
-def render_chat(messages: list[dict[str, str]], tokenizer) -> str:
-    """The prompt text for `messages`, ending where the assistant's answer starts."""
+def render_chat(messages: list[dict[str, str]], tokenizer, add_generation_prompt: bool = True) -> str:
+    """The prompt text for `messages`, ending where the assistant's answer starts (or, without the
+    generation prompt, where the next message would: a warm prefix)."""
     template = None if getattr(tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
     try:
-        return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt)
     except Exception as error:  # a template may refuse a conversation (e.g. roles out of order)
         raise InvalidMessagesError(f"the model's chat template refused these messages: {error}") from None

@@ -29,6 +29,8 @@ class ServiceConfig:
     session_cold_mb: int = 8192  # session checkpoints on disk; the oldest beyond this are deleted
     session_ttl_s: float = 86400.0  # checkpoints unused this long are deleted
     session_dir: str = "sessions"  # checkpoint directory, relative to the model's directory; "": no disk tier
+    warm_prefixes: str = ""  # JSON list of prompt beginnings (strings or message lists) prefilled at load
+    warm_prefix_policies: str = ""  # comma-separated policies to prefill them for besides default_policy
 
     def __post_init__(self) -> None:
         for name in ("default_kv_budget", "max_prompt_tokens", "max_output_tokens", "default_max_tokens",
@@ -60,6 +62,12 @@ class ServiceConfig:
 
         if self.default_policy not in POLICIES:
             raise ValueError(f"parameter default_policy {self.default_policy!r} is not one of {sorted(POLICIES)}")
+        from kvpop.serving.warm_prefixes import parse_warm_prefixes, warm_policies
+
+        parse_warm_prefixes(self.warm_prefixes)
+        unknown = [name for name in warm_policies(self.default_policy, self.warm_prefix_policies) if name not in POLICIES]
+        if unknown:
+            raise ValueError(f"parameter warm_prefix_policies names unknown policies {unknown}; known: {sorted(POLICIES)}")
 
     @classmethod
     def from_model_config(cls, model_config: dict[str, Any]) -> "ServiceConfig":

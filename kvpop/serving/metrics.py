@@ -93,6 +93,11 @@ class ServiceMetrics:
         self.session_entries = {tier: tier_entries.Metric(labels={**labels, "tier": tier}) for tier in SESSION_TIERS}
         self.session_restore = histogram("kvpop_session_restore_seconds", "time to read a session checkpoint from disk", RESTORE_BUCKETS)
         self.session_checkpoint_queue = gauge("kvpop_session_checkpoint_queue", "session checkpoint writes pending on the store's writer thread")
+        self.prefix_lookups = counter("kvpop_prefix_lookups_total", "requests whose prompt was looked up among the warm prefixes").Metric(labels=labels)
+        self.prefix_hits = counter("kvpop_prefix_hits_total", "requests that started from a warm prefix's cache").Metric(labels=labels)
+        self.prefix_tokens_reused = counter("kvpop_prefix_tokens_reused_total", "prompt tokens taken from a warm prefix (not computed)").Metric(labels=labels)
+        self.prefix_hit_ratio = gauge("kvpop_prefix_hit_ratio", "warm prefix tokens reused / prompt tokens of the requests looked up, since start")
+        self._prefix_prompt = self._prefix_reused = 0
         self._session_seen: dict[str, int] = {}
         self._session_prompt = self._session_reused = 0
         self._session_stats_at = 0.0
@@ -130,6 +135,15 @@ class ServiceMetrics:
         self._session_prompt += prompt_tokens
         self._session_reused += tokens_reused
         self.session_hit_ratio.set(self._session_reused / self._session_prompt if self._session_prompt else 0.0)
+
+    def observe_prefix_lookup(self, prompt_tokens: int, tokens_reused: int) -> None:
+        self.prefix_lookups.increment(1)
+        if tokens_reused:
+            self.prefix_hits.increment(1)
+            self.prefix_tokens_reused.increment(tokens_reused)
+        self._prefix_prompt += prompt_tokens
+        self._prefix_reused += tokens_reused
+        self.prefix_hit_ratio.set(self._prefix_reused / self._prefix_prompt)
 
     def observe_sessions(self, store) -> None:
         """The store's tiers and counters (at most once per SESSION_STATS_INTERVAL)."""

@@ -229,13 +229,7 @@ def parse_request(
             ignore_eos=ignore_eos,
         )
         policy = values["eviction_policy"] or config.default_policy
-        budget, compression = values["kv_budget"], values["compression_ratio"]
-        if policy == "full":
-            if budget is not None or compression is not None:
-                raise InvalidRequestError("eviction_policy 'full' keeps every token: omit kv_budget and compression_ratio")
-        elif budget is None and compression is None:
-            budget = config.default_kv_budget
-        cache = CacheConfig(policy=policy, budget=budget, compression=compression, scorer=kvpop_scorer)
+        cache = request_cache_config(policy, values["kv_budget"], values["compression_ratio"], config, kvpop_scorer)
     except ValueError as error:
         raise InvalidRequestError(str(error)) from None
     session_id = values["session_id"]
@@ -254,6 +248,19 @@ def parse_request(
     if echo_prompt and values["stream"]:
         raise InvalidRequestError("exclude_input_in_output=false is supported for complete answers only, not streams")
     return ParsedRequest(generation=generation, stream=bool(values["stream"]), echo_prompt=echo_prompt)
+
+
+def request_cache_config(
+    policy: str, budget: int | None, compression: float | None, config: ServiceConfig, kvpop_scorer: str
+) -> CacheConfig:
+    """The cache a request gets (a bounded policy with neither budget nor ratio: the default budget).
+    Warm prefixes are prefilled for exactly these configurations."""
+    if policy == "full":
+        if budget is not None or compression is not None:
+            raise InvalidRequestError("eviction_policy 'full' keeps every token: omit kv_budget and compression_ratio")
+    elif budget is None and compression is None:
+        budget = config.default_kv_budget
+    return CacheConfig(policy=policy, budget=budget, compression=compression, scorer=kvpop_scorer)
 
 
 def _non_empty_text(text: np.ndarray) -> bool:

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from kvpop.cache.prefix_cache import PrefixCache
 from kvpop.decoder import DecoderStep
 from kvpop.engine import Engine, load_learned_scorers
 from kvpop.policies import POLICIES
@@ -20,7 +21,8 @@ from kvpop.scorer import LEARNED_SCORER_KINDS, learned_scorer
 from kvpop.serving.admission import AdmissionPolicy, KVPoolAdmission
 from kvpop.serving.config import ServiceConfig
 from kvpop.serving.drain import DrainSignal
-from kvpop.serving.request import InvalidRequestError, parse_request
+from kvpop.serving.request import InvalidRequestError, parse_request, request_cache_config
+from kvpop.serving.warm_prefixes import parse_warm_prefixes, prefix_token_ids, warm_policies
 from kvpop.serving.worker import EngineWorker, ResponseChannel
 from kvpop.sessions import SessionStore, TierLimits, model_fingerprint
 
@@ -65,6 +67,8 @@ class KVpopService:
             AdmissionPolicy(config.kv_pool_mb * 2**20, config.min_kv_budget, config.max_queue_size), self.decoder.spec
         )
         self.sessions = self._session_store(Path(model_dir), config)
+        self.prefixes = PrefixCache()
+        self._warm_prefixes()
         self.sessions.on_queue_change = getattr(metrics, "observe_checkpoint_queue", None)
         self.worker = EngineWorker(self._new_engine, self.tokenizer, admission, metrics, drain=DrainSignal()).start()
         self._ids = itertools.count()
@@ -78,7 +82,23 @@ class KVpopService:
             max_step_tokens=self.config.max_step_tokens or None,
             learned_scorers=self.learned_scorers,
             sessions=self.sessions,
+            prefixes=self.prefixes,
         )
+
+    def _warm_prefixes(self) -> None:
+        """Prefill the configured warm prefixes (before the worker starts: the engine is not shared)."""
+        config = self.config
+        prompts = [prefix_token_ids(prefix, self.tokenizer) for prefix in parse_warm_prefixes(config.warm_prefixes)]
+        too_long = [len(ids) for ids in prompts if len(ids) >= config.max_prompt_tokens]
+        if too_long:
+            raise ValueError(f"parameter warm_prefixes: prefixes of {too_long} tokens; max_prompt_tokens is {config.max_prompt_tokens}")
+        if not prompts:
+            return
+        engine = self._new_engine()
+        for policy in warm_policies(config.default_policy, config.warm_prefix_policies):
+            cache = request_cache_config(policy, None, None, config, self.kvpop_scorer)
+            for ids in prompts:
+                engine.warm_prefix(ids, cache)
 
     @staticmethod
     def _session_store(model_dir: Path, config: ServiceConfig) -> SessionStore:

@@ -187,7 +187,8 @@ class EngineWorker:
                     self.engine.cancel(event.request_id)
                     self._finish_with_error(event.request_id, f"internal error: {error}", "internal")
         cache_manager = self.engine.cache_manager
-        in_use = cache_manager.kv_bytes_in_use + cache_manager.hot_session_bytes  # the hot session tier lives in the KV pool
+        # The hot session tier and the warm prefixes live in the KV pool too.
+        in_use = cache_manager.kv_bytes_in_use + cache_manager.hot_session_bytes + cache_manager.prefix_bytes
         if cache_manager.sessions is not None:
             self.metrics.observe_sessions(cache_manager.sessions)
         with self._condition:
@@ -322,6 +323,8 @@ class EngineWorker:
         self.metrics.observe_finished(result, now - active.pending.arrived, time_per_token, len(result.prompt_ids))
         if parsed.generation.session_id is not None:
             self.metrics.observe_session_turn(len(result.prompt_ids), result.tokens_reused)
+        if result.prefix_lookup:
+            self.metrics.observe_prefix_lookup(len(result.prompt_ids), result.prefix_tokens_reused)
         try:
             active.pending.channel.send(tensors, final=True)
         except Exception:  # the client went away; its slots are already free

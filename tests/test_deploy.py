@@ -20,10 +20,25 @@ DEPLOY = ROOT / "deploy"
 def exported_metric_names() -> set[str]:
     """Names the engine registers (kvpop/serving/metrics.py), with Prometheus' histogram series."""
     source = (ROOT / "kvpop" / "serving" / "metrics.py").read_text()
+    found = re.findall(r'(gauge|counter|histogram)\("(kvpop_\w+)"', source)
+    found += [(kind.lower(), name) for name, kind in re.findall(r'family\("(kvpop_\w+)", "[^"]*", "(GAUGE|COUNTER|HISTOGRAM)"\)', source)]
     names = set()
-    for kind, name in re.findall(r'(gauge|counter|histogram)\("(kvpop_\w+)"', source):
+    for kind, name in found:
         names |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"} if kind == "histogram" else {name}
     return names
+
+
+def dashboard_panels() -> list[dict]:
+    """Every panel of the Grafana dashboard, rows' nested panels included (rows themselves query nothing)."""
+    dashboard = json.loads((DEPLOY / "monitoring" / "grafana" / "dashboards" / "kvpop.json").read_text())
+    panels = []
+    for panel in dashboard["panels"]:
+        panels += [panel, *panel.get("panels", [])]
+    return panels
+
+
+def metrics_in(query: str) -> set[str]:
+    return set(re.findall(r"\bkvpop_\w+", re.sub(r"\"[^\"]*\"", "", query)))
 
 
 def test_deploy_yaml_parses():
@@ -34,12 +49,39 @@ def test_deploy_yaml_parses():
 def test_dashboard_and_alerts_query_only_exported_metrics():
     exported = exported_metric_names()
     assert "kvpop_kv_bytes_capacity" in exported and "kvpop_batch_size_count" in exported
-    dashboard = json.loads((DEPLOY / "monitoring" / "grafana" / "dashboards" / "kvpop.json").read_text())
-    queries = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    assert "kvpop_session_bytes" in exported  # registered through family(): a tier label per metric
+    queries = [target["expr"] for panel in dashboard_panels() for target in panel.get("targets", [])]
     queries += [rule["expr"] for group in yaml.safe_load((DEPLOY / "monitoring" / "alerts.yml").read_text())["groups"]
                 for rule in group["rules"]]
-    used = {name for query in queries for name in re.findall(r"\bkvpop_\w+", re.sub(r"\"[^\"]*\"", "", query))}
+    used = {name for query in queries for name in metrics_in(query)}
     assert used and used <= exported, used - exported
+
+
+def test_dashboard_shows_sessions_and_prefix_reuse():
+    panels = dashboard_panels()
+    ids = [panel["id"] for panel in panels]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    row = next(panel for panel in panels if panel["type"] == "row" and panel["title"] == "Sessions and prefix reuse")
+    below = [panel for panel in panels if panel["gridPos"]["y"] > row["gridPos"]["y"] and panel["type"] != "row"]
+    used = {name for panel in below for target in panel["targets"] for name in metrics_in(target["expr"])}
+    wanted = {
+        "kvpop_session_hit_ratio", "kvpop_session_tokens_reused_total", "kvpop_session_prompt_tokens_total",
+        "kvpop_session_hits_total", "kvpop_session_lookups_total",
+        "kvpop_prefix_hit_ratio", "kvpop_prefix_hits_total", "kvpop_prefix_lookups_total", "kvpop_prefix_tokens_reused_total",
+        "kvpop_session_bytes", "kvpop_session_entries", "kvpop_session_promotions_total", "kvpop_session_demotions_total",
+        "kvpop_session_checkpoints_written_total", "kvpop_session_checkpoints_rejected_total",
+        "kvpop_session_checkpoint_failures_total", "kvpop_session_restore_seconds_bucket", "kvpop_session_checkpoint_queue",
+    }
+    assert wanted <= used, wanted - used
+    quantiles = [target["expr"] for panel in below for target in panel["targets"] if "histogram_quantile" in target["expr"]]
+    assert {re.match(r"histogram_quantile\(([\d.]+),", expr).group(1) for expr in quantiles} == {"0.5", "0.95"}
+    assert all("by (le)" in expr and "_bucket[" in expr for expr in quantiles)
+    cells = set()  # no two panels overlap on the 24-column grid
+    for panel in panels:
+        box = panel["gridPos"]
+        area = {(x, y) for x in range(box["x"], box["x"] + box["w"]) for y in range(box["y"], box["y"] + box["h"])}
+        assert box["x"] + box["w"] <= 24 and not area & cells, panel["title"]
+        cells |= area
 
 
 KUBERNETES = DEPLOY / "kubernetes"

@@ -36,6 +36,7 @@ class ScorerSpec:
     outputs: tuple[str, ...]
     state_shapes: dict[str, tuple[int, ...]]
     onnx_file: str
+    batch_onnx_file: str | None = None  # many sequences' decode steps in one call (stateful kinds)
 
     @classmethod
     def load(cls, path: Path) -> "ScorerSpec":
@@ -47,7 +48,7 @@ class ScorerSpec:
             attention_feature=config.get("attention_feature", False),
             inputs=tuple(data["inputs"]), outputs=tuple(data["outputs"]),
             state_shapes={name: tuple(shape) for name, shape in data["state_shapes"].items()},
-            onnx_file=data["onnx_file"],
+            onnx_file=data["onnx_file"], batch_onnx_file=data.get("batch_onnx_file"),
         )
 
 
@@ -76,6 +77,11 @@ class ScorerRuntime:
         self.session = ort.InferenceSession(
             str(Path(directory) / self.spec.onnx_file), sess_options=options, providers=["CPUExecutionProvider"]
         )
+        self.batch_session = None  # scorer_<kind>.batch.onnx: B sequences' decode steps in one call
+        if self.spec.batch_onnx_file and (Path(directory) / self.spec.batch_onnx_file).exists():
+            self.batch_session = ort.InferenceSession(
+                str(Path(directory) / self.spec.batch_onnx_file), sess_options=options, providers=["CPUExecutionProvider"]
+            )
 
     @staticmethod
     def available(directory: Path) -> list[str]:
@@ -114,6 +120,23 @@ class ScorerRuntime:
         if not scores:
             return np.zeros((*new_key.shape[:2], 0), np.float32), recurrent
         return np.concatenate(scores, axis=2), recurrent
+
+
+    def step_decode_batch(
+        self,
+        recurrents: list[dict[str, np.ndarray]],  # B states, name -> (L, Hkv, ...)
+        tokens: tuple[np.ndarray, ...],  # new_key, new_value, leaving_key, leaving_value: (B, L, Hkv, D)
+    ) -> tuple[np.ndarray, list[dict[str, np.ndarray]]]:
+        """One decode step (one new token, one leaving token) of B sequences in one call of the batch
+        graph. -> ((B, L, Hkv) scores, B new states)."""
+        feed = dict(zip(("new_key", "new_value", "leaving_key", "leaving_value"),
+                        (np.ascontiguousarray(array[:, :, :, None], np.float32) for array in tokens)))
+        for name in self.spec.state_shapes:
+            feed[name] = np.stack([recurrent[name] for recurrent in recurrents])
+        score, *new_state = self.batch_session.run(None, feed)  # (B, L, Hkv, 1), (B, L, Hkv, ...) each
+        names = list(self.spec.state_shapes)
+        states = [{name: state[row] for name, state in zip(names, new_state)} for row in range(len(recurrents))]
+        return score[..., 0], states
 
 
 class LearnedScorer(TokenScorer):
@@ -190,6 +213,17 @@ class LearnedScorer(TokenScorer):
         return not self.statistics and state.pending_key.shape[2] == 0
 
     def score_decode_batch(self, states, new_key, new_value, leaving_key, leaving_value) -> np.ndarray:
+        if not self.runtime.spec.state_shapes:  # stateless: the B leaving tokens are one call's B rows
+            rows = [array.transpose(1, 2, 0, 3) for array in (new_key, new_value, leaving_key, leaving_value)]
+            scores, _ = self.runtime.step({}, *rows)  # (L, Hkv, B)
+            return scores.transpose(2, 0, 1)
+        if len(states) > 1 and self.runtime.batch_session is not None:
+            scores, recurrents = self.runtime.step_decode_batch(
+                [state.recurrent for state in states], (new_key, new_value, leaving_key, leaving_value)
+            )
+            for state, recurrent in zip(states, recurrents):
+                state.recurrent = recurrent
+            return scores
         scores = np.empty(new_key.shape[:3], np.float32)  # (B, L, Hkv)
         for row, state in enumerate(states):  # the rows of one step: new token t, its leaving token
             score, state.recurrent = self.runtime.step(

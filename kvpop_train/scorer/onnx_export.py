@@ -2,7 +2,8 @@
 
 `python -m kvpop_train.scorer.onnx_export --scorers MODEL/scorer --out model_repository/kvpop_engine/1`
 writes `scorer_<kind>.onnx` and `scorer_<kind>.json` (config, tensor names, state shapes, parity) for
-every `scorer_<kind>.pt` found. The runtime (kvpop.scorer.runtime) needs only those two files.
+every `scorer_<kind>.pt` found, and for a stateful kind `scorer_<kind>.batch.onnx`, the decode step of
+many sequences in one call. The runtime (kvpop.scorer.runtime) needs only those files.
 """
 
 from __future__ import annotations
@@ -49,6 +50,56 @@ class _Step(nn.Module):
             tuple(named[name] for name in STATE_NAMES if name in named), named.get(ATTENTION_INPUT),
         )
         return (score, *state) if state else score
+
+
+class _BatchedDecodeStep(nn.Module):
+    """`_Step` for B sequences' decode steps at once: inputs (B, L, Hkv, 1, ...), states (B, L, Hkv, ...).
+
+    Why a second graph: the engine's decode step appends one token to every running sequence, and
+    one ONNX call per sequence costs more than the scorer's arithmetic. The B sequences' heads run as
+    B * L * Hkv heads of one step with the per-head weights tiled B times: the same numbers, so each
+    sequence gets exactly its own step (checked at export)."""
+
+    def __init__(self, scorer: Scorer) -> None:
+        super().__init__()
+        self.step = _Step(scorer)
+
+    def forward(self, *inputs: torch.Tensor):
+        batch = inputs[0].shape[0]
+        tiled = {name: tensor.repeat(batch, *([1] * (tensor.dim() - 1)))
+                 for name, tensor in (*self.step.named_parameters(), *self.step.named_buffers())}
+        folded = tuple(x.reshape(batch * x.shape[1], *x.shape[2:]) for x in inputs)  # B * L "layers"
+        outputs = torch.func.functional_call(self.step, tiled, folded)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        return tuple(y.reshape(batch, -1, *y.shape[1:]) for y in outputs)
+
+
+def export_decode_batch(scorer: Scorer, output_dir: Path) -> tuple[Path, float]:
+    """Write scorer_<kind>.batch.onnx (stateful kinds; a stateless scorer batches by rows) and return
+    it with the max |diff| of a batch of 5 against five single-sequence steps of the plain graph."""
+    config = scorer.config
+    wrapper, single = _BatchedDecodeStep(scorer), _Step(scorer)
+    input_names, output_names = onnx_names(config)
+    batch = torch.export.Dim("batch", min=1, max=65536)
+    path = Path(output_dir) / f"scorer_{config.kind}.batch.onnx"
+    examples = [example_inputs(scorer, tokens=1, seed=seed) for seed in range(5)]
+    stacked = {name: torch.stack([example[name] for example in examples]) for name in input_names}
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            wrapper, tuple(stacked[name] for name in input_names), dynamo=True,
+            dynamic_shapes=(tuple({0: batch} for _ in input_names),),
+            input_names=input_names, output_names=output_names, optimize=True, verbose=False,
+        )
+        program.save(str(path), external_data=False)
+        import onnxruntime as ort
+
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        got = session.run(output_names, {name: value.numpy() for name, value in stacked.items()})
+        want = [single(*example.values()) for example in examples]
+        want = [w if isinstance(w, tuple) else (w,) for w in want]
+    max_abs_diff = max(float(np.abs(torch.stack([w[i] for w in want]).numpy() - got[i]).max()) for i in range(len(got)))
+    return path, max_abs_diff
 
 
 def example_inputs(scorer: Scorer, tokens: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -117,10 +168,15 @@ def export_scorer(scorer: Scorer, output_dir: Path, source: str = "") -> ScorerE
         got = session.run(output_names, {name: value.numpy() for name, value in inputs.items()})
         for want, have in zip(expected, got):
             max_abs_diff = max(max_abs_diff, float(np.abs(want.numpy() - have).max()))
+    batch_file = None
+    if config.stateful:
+        batch_path, batch_diff = export_decode_batch(scorer, output_dir)
+        batch_file, max_abs_diff = batch_path.name, max(max_abs_diff, batch_diff)
     passed = max_abs_diff <= PARITY_TOLERANCE
     spec = {
         "config": config.to_dict(),
         "onnx_file": onnx_path.name,
+        "batch_onnx_file": batch_file,  # decode steps of many sequences in one call (stateful kinds)
         "inputs": input_names,
         "outputs": output_names,
         "state_shapes": {name: list(shape) for name, shape in config.state_shapes().items()},

@@ -192,3 +192,20 @@ def test_step_thread_cost_of_a_put_does_not_include_the_write(tmp_path, monkeypa
     assert sessions.checkpoint_queue == 10 and gate.written == []
     gate.open.set()
     assert sessions.flush(timeout=30) and len(gate.written) == 10
+
+
+def test_close_that_times_out_leaves_the_writer_finishing_its_writes(tmp_path, monkeypatch, caplog):
+    _, state = make_state()
+    gate = GatedWrites(monkeypatch)
+    sessions = new_store(tmp_path)
+    others = {thread for thread in threading.enumerate() if thread.name == "kvpop-checkpoints"}  # other tests' stores
+    sessions.put("a", state)
+    gate.wait_started()
+    with caplog.at_level(logging.WARNING, logger="kvpop.sessions.writer"):
+        assert not sessions.close(timeout=0.2)  # the disk hangs: shutdown does not wait forever
+    assert "not yet written" in caplog.text
+    sessions.put("b", state)  # queued behind it, written by the same thread
+    gate.open.set()
+    assert sessions.flush(timeout=30) and file_of(sessions, "a").exists() and file_of(sessions, "b").exists()
+    assert sessions.close(timeout=30)
+    assert {thread for thread in threading.enumerate() if thread.name == "kvpop-checkpoints"} <= others  # stopped

@@ -91,30 +91,24 @@ class CheckpointWriter:
             return self._condition.wait_for(lambda: not self._pending and not self._reporting, timeout)
 
     def close(self, timeout: float | None = 30.0) -> bool:
-        """Flush, then stop the thread (a later `submit` starts a new one). False if writes were left."""
+        """Flush, then stop the thread (a later `submit` starts a new one). False if writes were still
+        pending after `timeout`; the thread then goes on with them and stops when none is left."""
         flushed = self.flush(timeout)
         with self._condition:
-            self._stopping = True
-            self._condition.notify_all()
             thread = self._thread
-        if thread is not None:
+            if thread is not None:
+                self._stopping = True
+                self._condition.notify_all()
+            if not flushed:
+                log.warning("%d session checkpoint(s) not yet written at shutdown", len(self._pending))
+        if thread is not None and flushed:
             thread.join(timeout)
-        with self._condition:
-            self._thread, self._stopping = None, False
-            if self._pending:
-                log.warning("%d session checkpoint(s) not written before shutdown", len(self._pending))
-                self._start_locked()
         return flushed
 
     @property
     def depth(self) -> int:
         with self._condition:
             return len(self._pending)
-
-    @property
-    def pending_bytes(self) -> int:
-        with self._condition:
-            return sum(state.nbytes for state in self._pending.values())
 
     # -- the writer thread -------------------------------------------------------------------------
 
@@ -127,7 +121,8 @@ class CheckpointWriter:
         while True:
             with self._condition:
                 self._condition.wait_for(lambda: self._pending or self._stopping)
-                if not self._pending:
+                if not self._pending:  # stopping and nothing left: the next submit starts a new thread
+                    self._thread, self._stopping = None, False
                     return
                 digest, state = next(iter(self._pending.items()))
                 self._writing, self._cancelled = digest, False

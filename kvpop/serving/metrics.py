@@ -102,14 +102,16 @@ class ServiceMetrics:
         self._session_prompt = self._session_reused = 0
         self._session_stats_at = 0.0
         self._step_gauges_at = 0.0
+        self._step_counts = (0, 0)  # (active, queued) as last set
 
     def observe_step(self, batch_size: int, kv_bytes_in_use: int, kv_bytes_reserved: int, active: int, queued: int) -> None:
         if batch_size:
             self.batch_size.observe(batch_size)
         now = time.monotonic()
-        if (active or queued) and now - self._step_gauges_at < STEP_GAUGE_INTERVAL:
-            return  # busy: at most every 100 ms; idle (nothing active or queued): always, so they settle at 0
-        self._step_gauges_at = now
+        unchanged = (active, queued) == self._step_counts
+        if unchanged and (active or queued) and now - self._step_gauges_at < STEP_GAUGE_INTERVAL:
+            return  # busy, nothing joined or left: at most every 100 ms; changes and idleness: at once
+        self._step_gauges_at, self._step_counts = now, (active, queued)
         self.kv_bytes_in_use.set(kv_bytes_in_use)
         self.kv_bytes_reserved.set(kv_bytes_reserved)
         self.active.set(active)

@@ -187,21 +187,25 @@ class Engine:
         max_step_tokens: int | None = None,
         sessions: SessionStore | None = None,
         prefixes: PrefixCache | None = None,
+        min_bounded_chunk: int = 1,
     ) -> None:
         """`max_step_tokens`: prompt tokens fed per step (at least one chunk; default one
         `prefill_chunk`): the longest a running stream waits for prefill work between two tokens.
+        `min_bounded_chunk`: a bounded cache's prompt chunks hold max(budget, this) tokens (at most
+        `prefill_chunk`), so a small budget does not prefill a prompt in many small calls.
         `sessions` and `prefixes` outlive an engine (a service restarts its engine after a failure)."""
         max_step_tokens = prefill_chunk if max_step_tokens is None else max_step_tokens
-        if max_batch_size < 1 or prefill_chunk < 1 or max_step_tokens < 1:
+        if max_batch_size < 1 or prefill_chunk < 1 or max_step_tokens < 1 or min_bounded_chunk < 1:
             raise ValueError(
-                f"max_batch_size, prefill_chunk and max_step_tokens must be >= 1, got {max_batch_size}, "
-                f"{prefill_chunk}, {max_step_tokens}"
+                f"max_batch_size, prefill_chunk, max_step_tokens and min_bounded_chunk must be >= 1, got "
+                f"{max_batch_size}, {prefill_chunk}, {max_step_tokens}, {min_bounded_chunk}"
             )
         self.decoder = decoder
         self.spec = decoder.spec
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.prefill_chunk = prefill_chunk
+        self.min_bounded_chunk = min_bounded_chunk
         self.max_step_tokens = max_step_tokens
         self.learned_scorers = learned_scorers or {}  # kind -> scorer shared by this engine's sequences
         self.cache_manager = CacheManager(self.spec, decoder.device_store, sessions, self.learned_scorers, prefixes)
@@ -337,9 +341,14 @@ class Engine:
         )
 
     def _chunk_size(self, budget: int | None) -> int:
-        # A bounded cache takes at most `budget` tokens per chunk, so no query ever sees more than
-        # budget cached + budget new tokens (a larger chunk would flatter the policy).
-        return self.prefill_chunk if budget is None else min(self.prefill_chunk, budget)
+        # A bounded cache takes at most max(budget, min_bounded_chunk) tokens per chunk, so no query
+        # sees more than budget cached + that many new tokens (with the default floor of 1: budget +
+        # budget; a larger chunk would flatter the policy). The service raises the floor
+        # (`min_prefill_chunk_tokens`): a 16-slot budget would otherwise prefill a 100-token chat in
+        # seven calls; the cache it keeps is still `budget` slots.
+        if budget is None:
+            return self.prefill_chunk
+        return min(self.prefill_chunk, max(budget, self.min_bounded_chunk))
 
     def warm_prefix(self, prompt_ids: list[int], cache: CacheConfig) -> int:
         """Prefill a common prompt beginning alone and keep its cache state, so that requests of this

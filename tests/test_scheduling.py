@@ -112,3 +112,17 @@ def test_lean_variants_return_only_what_the_policies_read(tiny_onnx_model_dir, d
     mixed = [request(f"m{i}", prompt, policy, 12) for i, (prompt, policy) in
              enumerate(zip(RUNNING_PROMPTS * 2, POLICIES))]
     assert [r.output_ids for r in Engine(plain).generate(mixed)] == [r.output_ids for r in Engine(decoder).generate(mixed)]
+
+
+@pytest.mark.parametrize("floor", [1, 32])
+def test_a_small_budget_prefills_in_chunks_of_at_least_the_floor(decoder, monkeypatch, floor):
+    """`min_bounded_chunk` (the service's min_prefill_chunk_tokens) sets how many prompt tokens a
+    bounded cache takes per call; the cache it keeps stays at its budget."""
+    engine = Engine(decoder, prefill_chunk=256, min_bounded_chunk=floor)
+    chunks = []
+    run_chunk = engine._run_chunk
+    monkeypatch.setattr(engine, "_run_chunk", lambda sequences, length: (chunks.append(length), run_chunk(sequences, length))[1])
+    result, = engine.generate([request("small", LONG_PROMPT, "streaming", max_tokens=4)])
+    expected = [12] * 8 if floor == 1 else [32, 32, 32]  # 96 prompt tokens, budget 12
+    assert chunks == expected
+    assert result.budget == 12 and result.tokens_evicted == result.tokens_seen - 12

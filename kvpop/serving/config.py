@@ -18,7 +18,8 @@ class ServiceConfig:
     max_output_tokens: int = 1024  # upper bound for a request's max_tokens
     default_max_tokens: int = 64
     max_running_sequences: int = 16  # sequences decoded together in one engine step (in-flight batch)
-    prefill_chunk_tokens: int = 256  # prompt tokens per prefill call (a bounded cache: at most its budget)
+    prefill_chunk_tokens: int = 256  # prompt tokens per prefill call (a bounded cache: at most max(budget, the next))
+    min_prefill_chunk_tokens: int = 64  # a bounded cache's prefill chunks hold at least this many tokens (or the whole prompt)
     max_step_tokens: int = 0  # prompt tokens fed per engine step beside the decodes (0: one chunk)
     ort_threads: int = 0  # onnxruntime intra-op threads (0: onnxruntime's default)
     kv_pool_mb: int = 1024  # KV memory per instance for all running sequences (admission control)
@@ -34,7 +35,8 @@ class ServiceConfig:
 
     def __post_init__(self) -> None:
         for name in ("default_kv_budget", "max_prompt_tokens", "max_output_tokens", "default_max_tokens",
-                     "max_running_sequences", "prefill_chunk_tokens", "kv_pool_mb", "min_kv_budget"):
+                     "max_running_sequences", "prefill_chunk_tokens", "min_prefill_chunk_tokens", "kv_pool_mb",
+                     "min_kv_budget"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"parameter {name} must be > 0, got {getattr(self, name)}")
         if self.ort_threads < 0 or self.max_queue_size < 0 or self.max_step_tokens < 0:

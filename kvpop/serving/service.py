@@ -79,6 +79,7 @@ class KVpopService:
             tokenizer=self.tokenizer,
             max_batch_size=self.config.max_running_sequences,
             prefill_chunk=self.config.prefill_chunk_tokens,
+            min_bounded_chunk=self.config.min_prefill_chunk_tokens,
             max_step_tokens=self.config.max_step_tokens or None,
             learned_scorers=self.learned_scorers,
             sessions=self.sessions,

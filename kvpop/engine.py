@@ -6,10 +6,12 @@ prompt chunks of the admitted ones under a per-step token budget (`max_step_toke
 scheduler interleaves chunked prefill with decode: a long new prompt no longer stalls the running
 streams for its whole prefill, only for one chunk per step. Chunks of several prompts that have the
 same length run as one batched call. A prompt's chunk size is fixed by the request alone
-(`prefill_chunk`, at most its budget, evicting between chunks so peak memory stays bounded by
-budget + chunk), so outputs never depend on what else is running. Sequences of different lengths
-and budgets share the decode step through the batch pool (padded slots are masked). The decoder
-step returns last-position logits only, and attention only when a policy in the call reads it.
+(`prefill_chunk`, at most max(budget, `min_bounded_chunk`), evicting between chunks so peak memory
+stays bounded by budget + chunk), so outputs never depend on what else is running. Sequences of
+different lengths and budgets share the decode step through the batch pool (padded slots are
+masked); full kvpop caches append their decode tokens in vectorised groups (kvpop.cache.decode_batch).
+The decoder step returns last-position logits only, and attention only when a policy in the call
+reads it.
 Everything about where the keys and values live (slot caches, the batch pool and its device mirror,
 sessions kept between turns) is the cache manager's (`kvpop.cache.manager`); the engine asks it.
 `add_request` and `cancel` may be called from other threads: they only touch the queue under the

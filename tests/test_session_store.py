@@ -130,6 +130,8 @@ def test_checkpoint_round_trip_is_exact_and_not_pickle(tmp_path):
 
 @pytest.mark.parametrize("damage,message", [
     (lambda data: data[: len(data) // 2], "truncated|corrupt"),
+    (lambda data: data[:-10], "truncated|corrupt"),  # header intact, tensors cut short
+    (lambda data: data + b"\0" * 10, "truncated|corrupt"),  # bytes beyond the last tensor
     (lambda data: data[:5], "truncated"),
     (lambda data: b"", "truncated"),
     (lambda data: data[:-1] + bytes([data[-1] ^ 0xFF]), "checksum"),

@@ -75,3 +75,32 @@ def test_messages_exclude_the_other_prompt_inputs_and_bad_ones_are_invalid_reque
         parse(tokenizer, messages=json.dumps(CHAT).encode(), text_input=b"hello")
     with pytest.raises(InvalidRequestError, match="not valid JSON"):
         parse(tokenizer, messages=b"[{")
+
+
+def test_text_input_is_the_user_turn_of_a_model_with_a_chat_template(tokenizer):
+    """An instruction-tuned model ends a bare question at once, so its text_input goes through the
+    chat template as one user message, unless the request asks for the raw prompt or the service is
+    configured `text_input_chat: never`; a model without a template always gets the text as is."""
+    question = "What is the capital of France?"
+    raw_ids = tokenizer(question).input_ids
+    assert parse(tokenizer, text_input=question.encode()).generation.prompt_ids == raw_ids  # no template
+    tokenizer.chat_template = CHATML
+    try:
+        turn = tokenizer(render_chat([{"role": "user", "content": question}], tokenizer)).input_ids
+        assert parse(tokenizer, text_input=question.encode()).generation.prompt_ids == turn
+        by_parameter = parse_request("r", lambda name: None, {"text_input": question}, tokenizer, len(tokenizer), ServiceConfig())
+        assert by_parameter.generation.prompt_ids == turn
+        arrays = {"text_input": np.array([[question.encode()]], dtype=object)}
+        for parameters, config in [({"raw_prompt": True}, ServiceConfig()), ({"raw_prompt": "true"}, ServiceConfig()),
+                                   ({}, ServiceConfig(text_input_chat="never"))]:
+            assert parse_request("r", arrays.get, parameters, tokenizer, len(tokenizer), config).generation.prompt_ids == raw_ids
+        with pytest.raises(InvalidRequestError, match="raw_prompt must be a boolean"):
+            parse_request("r", arrays.get, {"raw_prompt": 3}, tokenizer, len(tokenizer), ServiceConfig())
+        with pytest.raises(InvalidRequestError, match="text_input is empty"):
+            parse(tokenizer, text_input=b"   ")
+        with pytest.raises(InvalidRequestError, match="UTF-8"):
+            parse(tokenizer, text_input=b"\xff")
+    finally:
+        tokenizer.chat_template = None
+    with pytest.raises(ValueError, match="text_input_chat"):
+        ServiceConfig(text_input_chat="sometimes")

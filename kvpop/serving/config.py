@@ -9,6 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+# How a plain `text_input` reaches an instruction-tuned model (one whose tokenizer has a chat template).
+# Such a model ends a bare question at once (SmolLM2: "What is the capital of France?" -> <|im_end|>),
+# so by default the text is its user turn; a request parameter `raw_prompt: true` sends it as is
+# (completion), as `never` does for every request. A model without a chat template always gets it raw.
+TEXT_INPUT_CHAT = ("auto", "never")
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
     default_policy: str = "full"  # eviction policy when a request names none
@@ -30,6 +37,7 @@ class ServiceConfig:
     session_cold_mb: int = 8192  # session checkpoints on disk; the oldest beyond this are deleted
     session_ttl_s: float = 86400.0  # checkpoints unused this long are deleted
     session_dir: str = "sessions"  # checkpoint directory, relative to the model's directory; "": no disk tier
+    text_input_chat: str = "auto"  # auto: a model with a chat template answers text_input as one user message; never: raw
     warm_prefixes: str = ""  # JSON list of prompt beginnings (strings or message lists) prefilled at load
     warm_prefix_policies: str = ""  # comma-separated policies to prefill them for besides default_policy
 
@@ -62,6 +70,8 @@ class ServiceConfig:
         if self.kvpop_scorer not in scorers:
             raise ValueError(f"parameter kvpop_scorer {self.kvpop_scorer!r} is not one of {scorers}")
 
+        if self.text_input_chat not in TEXT_INPUT_CHAT:
+            raise ValueError(f"parameter text_input_chat {self.text_input_chat!r} is not one of {list(TEXT_INPUT_CHAT)}")
         if self.default_policy not in POLICIES:
             raise ValueError(f"parameter default_policy {self.default_policy!r} is not one of {sorted(POLICIES)}")
         from kvpop.serving.warm_prefixes import parse_warm_prefixes, warm_policies

@@ -138,6 +138,28 @@ def chat_prompt(get_input: Callable[[str], np.ndarray | None], parameters: dict[
         raise InvalidRequestError(str(error)) from None
 
 
+def _text_as_user_turn(parameters: dict[str, Any], tokenizer, config: ServiceConfig) -> bool:
+    """Whether a `text_input` goes through the model's chat template as one user message
+    (kvpop.serving.config.TEXT_INPUT_CHAT says why)."""
+    raw = parameters.get("raw_prompt", False)
+    if isinstance(raw, str):
+        raw = raw.strip().lower() in ("1", "true", "yes")
+    elif not isinstance(raw, bool):
+        raise InvalidRequestError(f"parameter raw_prompt must be a boolean, got {raw!r}")
+    return not raw and config.text_input_chat == "auto" and bool(getattr(tokenizer, "chat_template", None))
+
+
+def _user_turn(text: np.ndarray, tokenizer) -> np.ndarray:
+    """A non-empty text_input (one string) as the prompt of a one-message chat; anything else as is,
+    for the checks below to refuse."""
+    from kvpop.serving.chat import render_chat
+
+    if text.size != 1 or not _non_empty_text(text):
+        return text
+    prompt = _decode_utf8(text.reshape(-1)[0], "text_input")
+    return np.array([render_chat([{"role": "user", "content": prompt}], tokenizer)], dtype=object)
+
+
 def parse_request(
     request_id: str,
     get_input: Callable[[str], np.ndarray | None],
@@ -154,6 +176,8 @@ def parse_request(
     if text is None and "text_input" in parameters:
         text = np.array([parameters["text_input"]], dtype=object)
     chat = chat_prompt(get_input, parameters, tokenizer)
+    if chat is None and text is not None and _text_as_user_turn(parameters, tokenizer, config):
+        text = _user_turn(text, tokenizer)
     if chat is not None:
         if text is not None or ids is not None:
             raise InvalidRequestError("send exactly one of text_input, input_ids or messages")

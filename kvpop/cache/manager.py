@@ -27,7 +27,8 @@ Flow of one engine step:
      policy decides, the slot cache applies);
   3. decode: `decode_inputs(caches)` binds the caches to the pool's rows (copies only when the batch
      changes), syncs the device mirror (scattered written slots), returns what the decoder reads in
-     place; `store` again;
+     place; `store_decode` appends the new tokens (full kvpop caches vectorised together,
+     `kvpop.cache.decode_batch`);
   4. finish: `save_session` (a copy of the cache) when the turn keeps its session, then `free`;
      `release_batch` when nothing decodes any more.
 """
@@ -231,11 +232,6 @@ class CacheManager:
     def save_prefix(self, cache: SlotCache, tokens: list[int], cache_config: "CacheConfig") -> None:
         """Keep a copy of a prefilled prefix's cache for requests of this configuration."""
         self.prefixes.add(capture_state(cache, tokens, PREFIX_FINGERPRINT, asdict(cache_config)))
-
-    @property
-    def prefix_bytes(self) -> int:
-        """Bytes of the warm prefixes' snapshots (host memory, counted in the KV pool like hot sessions)."""
-        return self.prefixes.nbytes
 
     @property
     def hot_session_bytes(self) -> int:

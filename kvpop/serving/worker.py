@@ -187,8 +187,7 @@ class EngineWorker:
                     self.engine.cancel(event.request_id)
                     self._finish_with_error(event.request_id, f"internal error: {error}", "internal")
         cache_manager = self.engine.cache_manager
-        # The hot session tier and the warm prefixes live in the KV pool too.
-        in_use = cache_manager.kv_bytes_in_use + cache_manager.hot_session_bytes + cache_manager.prefix_bytes
+        in_use = cache_manager.kv_bytes_in_use + cache_manager.hot_session_bytes  # the hot session tier lives in the KV pool
         if cache_manager.sessions is not None:
             self.metrics.observe_sessions(cache_manager.sessions)
         with self._condition:

@@ -1,11 +1,15 @@
 """Warm prefixes from the engine model's config: parsed, tokenized as requests are, and prefilled at load.
 
-`warm_prefixes` (config.pbtxt parameter) is a JSON list; each item is a string, tokenized exactly
-as a `text_input` prompt is, or a list of chat messages, rendered by the model's chat template
-WITHOUT the assistant's generation prompt (a system prompt or conversation header that requests
-sending `messages` begin with). A request's prompt reuses a prefix only when its token ids start
-with the prefix's, so a text prefix should end where the tokenizer cuts anyway (a newline, a
-template's end-of-turn token).
+`warm_prefixes` (config.pbtxt parameter) is a JSON list; each item is a string, tokenized as raw
+text (what a completion prompt begins with: `text_input` with `raw_prompt`, or on a model without a
+chat template), or a list of chat messages, rendered by the model's chat template WITHOUT the
+assistant's generation prompt: the system prompt or header that `messages` requests, and on an
+instruction-tuned model plain `text_input` requests (sent as a user turn), begin with. SmolLM2's
+template gives a conversation without a system message its default one, so
+`[[{"role": "system", "content": "You are a helpful AI assistant named SmolLM, trained by Hugging
+Face"}]]` is a prefix of every such request (21 tokens). A request's prompt reuses a prefix only
+when its token ids start with the prefix's, so a text prefix should end where the tokenizer cuts
+anyway (a newline, a template's end-of-turn token).
 
 A snapshot belongs to one cache configuration (`kvpop.cache.prefix_cache`); each prefix is
 prefilled for the configuration a request gets when it names only a policy (or nothing):

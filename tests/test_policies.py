@@ -139,3 +139,31 @@ def test_a_learned_scorer_is_a_kvpop_only_option():
     assert kvpop.learned_scorer == "mlstm" and kvpop.build_policy(learned).window == 16
     with pytest.raises(ValueError, match="no learned kvpop scorer 'mlstm'"):
         kvpop.build_policy({})
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_observe_returns_its_decision_and_leaves_the_cache_alone(name):
+    """The policy contract (kvpop.policies.base): `observe` only reads the cache and returns a
+    StatisticsUpdate (every statistic for the new tokens, new values for changed cached slots), which
+    the cache applies; `init_state` returns the state the cache keeps."""
+    from kvpop.cache import CacheUpdate
+    from kvpop.policies import StatisticsUpdate
+
+    cache = new_cache(name)
+    feed_constructed(cache, 6)  # kvpop: tokens 4 and 5 leave its window with the next two tokens
+    arrays = {"key": cache.key, "value": cache.value, "position": cache.position, **cache.statistics}
+    before = {label: array.copy() for label, array in arrays.items()}
+    rng = np.random.default_rng(0)
+    update = CacheUpdate(
+        positions=np.arange(6, 8), key=rng.random((1, 2, 2, 4), np.float32), value=rng.random((1, 2, 2, 4), np.float32),
+        attention=rng.random((1, 2, 2, 2, cache.capacity), np.float32), chunk_attention=rng.random((1, 2, 2, 2, 2), np.float32),
+    )
+    decided = cache.policy.observe(cache, update)
+    assert isinstance(decided, StatisticsUpdate)
+    for label, array in before.items():
+        np.testing.assert_array_equal(arrays[label], array, err_msg=f"{name} wrote into the cache's {label}")
+    assert set(decided.new) == set(cache.statistics) and set(decided.cached) <= set(cache.statistics)
+    assert all(values.shape == (1, 2, 2) for values in decided.new.values())
+    assert all(values.shape == (1, 2, cache.capacity) for values in decided.cached.values())
+    assert not any(np.shares_memory(values, cache.statistics[stat]) for stat, values in decided.cached.items())
+    assert type(cache.policy.init_state()) is type(new_cache(name).policy_state)

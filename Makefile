@@ -15,7 +15,7 @@ CONFIG ?= auto
 PID_FILE := run/tritonserver.pid
 
 .PHONY: help setup model export serve serve-bg stop test test-unit test-e2e clean reference-model eval-reference \
-	train-scorer eval-real tasks eval-sweep kvpress-env eval-kvpress speed speed-quick bench-service bench-sessions bench-profile loadtest \
+	train-scorer eval-real tasks eval-sweep kvpress-env eval-kvpress speed speed-quick speed-real bench-service bench-sessions bench-profile loadtest \
 	system-deps image image-lb test-cluster load-time test-faults test-fuzz stress soak
 
 REFERENCE := models/reference
@@ -177,6 +177,19 @@ speed: setup  ## decode speed and memory vs context length, full vs bounded vs H
 
 speed-quick: setup  ## the speed harness on a tiny model, in seconds (plumbing)
 	$(PY) -m benchmarks.speed --quick --out-dir build/speed-quick
+
+# The real model (SmolLM2-135M-Instruct as `make export` wrote it): contexts to 8k (8064: the engine
+# stops a sequence at the model's 8192 positions, and the timed steps need room), batch 1 and 8, full
+# vs streaming vs kvpop with each learned scorer at 1024 slots (88% compression at 8k) vs HF generate.
+# Times a copy of the export in build/speed-smollm2/, with untrained scorers of the model's shape for
+# any kind the export lacks (speed only). ~35 min on 2 busy cores: docs/benchmarks/smollm2/.
+SPEED_MODEL ?= model_repository/kvpop_engine/1
+SPEED_REAL_ARGS ?= --contexts 1024,2048,4096,8064 --prefill-chunk 128 --budgets 1024 --batches 1,8 \
+	--policies streaming --extra-policies kvpop:mlstm,kvpop:mlp --decode-steps 24 --memory-tokens 0 --threads 1
+
+speed-real: setup  ## decode speed on SmolLM2's export to 8k, batch 1 and 8, incl. the learned scorers' per-step cost: docs/benchmarks/smollm2/
+	$(PY) -m benchmarks.speed --model $(SPEED_MODEL) --hf-model $(REAL_MODEL) --untrained-scorers-dir build/speed-smollm2 \
+		--scorer-window $(REAL_KV_WINDOW) $(SPEED_REAL_ARGS) --out-dir docs/benchmarks/smollm2
 
 # The service benchmark runs the shipped reference model by default (exported into build/, not into
 # model_repository/); BENCH_MODEL=<export dir> BENCH_HF=<its HF dir> runs another (e.g. SmolLM2).

@@ -4,6 +4,8 @@
                                                                # realistic shape (benchmarks/bench_model.py)
     python -m benchmarks.speed --model ONNX_DIR --hf-model HF_DIR --out-dir DIR
     python -m benchmarks.speed --quick --out-dir /tmp/speed    # tiny random model, seconds (plumbing)
+    python -m benchmarks.speed --model ONNX_DIR --hf-model HF_DIR --extra-policies kvpop:mlstm,kvpop:mlp \
+        --untrained-scorers-dir build/speed-x                  # learned scorers (see 3. below)
 
 1. Decode latency per step and tokens/s vs context length for `full` vs fixed budgets (each bounded
    policy at each budget), at each batch size, and HF `generate` with its default dynamic cache on the
@@ -12,6 +14,13 @@
    the cache by a block).
 2. Peak process memory and KV bytes vs generated length for `full` vs bounded policies, each in its
    own process (so peaks do not mix), sampled during one long generation.
+3. The learned KVpop scorers (`kvpop:mlstm`, `kvpop:mlp` in --policies / --extra-policies; their
+   window is the one they were trained for): kvpop's own per-step overhead (kvpop:<kind> minus
+   `streaming` at the same budget, which scores nothing), and the scorer call alone
+   (`LearnedScorer.score_decode_batch`, what a vectorised decode step runs once per step) per batch
+   size. The scorers are the model directory's; with --untrained-scorers-dir the run times a copy of
+   the directory made there, with an initialised, untrained scorer of the model's shape for each kind
+   the model lacks: a scorer's cost does not depend on its weight values.
 Writes speed.json, decode_speed.png, memory.png, and prints the speedups at the context nearest 8k.
 
 How the contexts are reached, and why it is the same state a real prefill leaves: for every cache
@@ -35,6 +44,7 @@ import multiprocessing
 import os
 import platform
 import resource
+import shutil
 import statistics
 import sys
 import tempfile
@@ -44,10 +54,13 @@ from pathlib import Path
 import numpy as np
 
 from kvpop.cache import SlotCache
+from kvpop.cache.decode_batch import batch_group
 from kvpop.cache.manager import Allocation, append_output
 from kvpop.decoder import DecoderStep
-from kvpop.engine import CacheConfig, Engine, GenerationRequest, SamplingParams, _Sequence
+from kvpop.engine import CacheConfig, Engine, GenerationRequest, SamplingParams, _Sequence, load_learned_scorers
+from kvpop.policies.scorers import TokenScorer
 from kvpop.sampling import Sampler
+from kvpop.scorer import LEARNED_SCORER_KINDS
 
 FULL_RUN = dict(
     contexts=(512, 1024, 2048, 4096, 8192, 16384),
@@ -84,7 +97,19 @@ def random_prompt(vocab: int, tokens: int, seed: int = 0) -> list[int]:
 
 
 def bounded_config(policy: str, budget: int) -> CacheConfig:
-    return CacheConfig(policy=policy, budget=budget, sinks=4, window=min(64, budget // 4))
+    """`policy` is a policy name, or `kvpop:<learned kind>` (the window is then the scorer's own)."""
+    policy, _, scorer = policy.partition(":")
+    if scorer and (policy != "kvpop" or scorer not in LEARNED_SCORER_KINDS):
+        raise ValueError(f"a scorer is named as kvpop:<kind> with kind in {LEARNED_SCORER_KINDS}, got {policy}:{scorer}")
+    extra = {"scorer": scorer} if scorer else {}
+    return CacheConfig(policy=policy, budget=budget, sinks=4, window=min(64, budget // 4), **extra)
+
+
+def copy_cache(cache: SlotCache) -> SlotCache:
+    """A deep copy of `cache` that shares its policy's scorer: a learned scorer holds an onnxruntime
+    session (not copyable), and the engine batches only caches whose scorer is the same object."""
+    scorer = getattr(cache.policy, "token_scorer", None)
+    return copy.deepcopy(cache, {} if scorer is None else {id(scorer): scorer})
 
 
 def cache_configs(budgets: tuple[int, ...], policies: tuple[str, ...], extra_policies: tuple[str, ...] = ()) -> dict[str, CacheConfig]:
@@ -100,28 +125,31 @@ def cache_configs(budgets: tuple[int, ...], policies: tuple[str, ...], extra_pol
 # -- engine ----------------------------------------------------------------------------------------
 
 
-def prefill_snapshots(decoder: DecoderStep, cache: CacheConfig, prompt: list[int], contexts, prefill_chunk: int):
+def prefill_snapshots(decoder: DecoderStep, cache: CacheConfig, prompt: list[int], contexts, prefill_chunk: int, learned_scorers: dict):
     """Prefill `prompt` as Engine._prefill does; snapshot (cache, last logits) at each context."""
     tokens = np.asarray(prompt, dtype=np.int64)
-    slot_cache = SlotCache(decoder.spec, cache.build_policy(), cache.resolve_budget(len(tokens), 1))
+    slot_cache = SlotCache(decoder.spec, cache.build_policy(learned_scorers), cache.resolve_budget(len(tokens), 1))
     chunk_size = prefill_chunk if slot_cache.budget is None else min(prefill_chunk, slot_cache.budget)
     wanted, snapshots = set(contexts), {}
     for start in range(0, len(tokens), chunk_size):
         chunk = tokens[start : start + chunk_size]
         positions = np.arange(start, start + len(chunk), dtype=np.int64)
-        out = decoder.run(chunk[None], positions[None], slot_cache.key[:, None], slot_cache.value[:, None], slot_cache.slot_mask()[None])
+        out = decoder.run(  # the graph Engine._run_chunk runs: last position's logits, attention only if read
+            chunk[None], positions[None], slot_cache.key[:, None], slot_cache.value[:, None], slot_cache.slot_mask()[None],
+            last_only=True, attention=slot_cache.policy.needs_attention,
+        )
         append_output(slot_cache, out, row=0)
         if start + len(chunk) in wanted:
-            snapshots[start + len(chunk)] = (copy.deepcopy(slot_cache), out.logits[0, -1].copy())
+            snapshots[start + len(chunk)] = (copy_cache(slot_cache), out.logits[0, -1].copy())
     missing = wanted - snapshots.keys()
     if missing:
         raise ValueError(f"contexts {sorted(missing)} are not multiples of the prefill chunk {chunk_size}")
     return snapshots
 
 
-def check_snapshot(decoder: DecoderStep, cache: CacheConfig, prompt: list[int], snapshot, prefill_chunk: int) -> float:
+def check_snapshot(decoder: DecoderStep, cache: CacheConfig, prompt: list[int], snapshot, prefill_chunk: int, learned_scorers: dict) -> float:
     """The snapshot equals what Engine._prefill leaves for the same prompt (max |key diff|)."""
-    engine = Engine(decoder, max_batch_size=1, prefill_chunk=prefill_chunk)
+    engine = Engine(decoder, max_batch_size=1, prefill_chunk=prefill_chunk, learned_scorers=learned_scorers)
     sequence = engine._prefill(GenerationRequest("check", prompt, SamplingParams(max_tokens=1), cache))
     mine, theirs = snapshot[0], sequence.cache
     assert mine.length == theirs.length and mine.tokens_seen == theirs.tokens_seen
@@ -138,7 +166,7 @@ class SnapshotEngine(Engine):
 
     def _new_sequence(self, request: GenerationRequest) -> _Sequence:
         cache, logits = self.snapshot
-        sequence = _Sequence(request=request, allocation=Allocation(copy.deepcopy(cache)), sampler=Sampler(request.sampling))
+        sequence = _Sequence(request=request, allocation=Allocation(copy_cache(cache)), sampler=Sampler(request.sampling))
         sequence.prefilled = len(request.prompt_ids)
         sequence.pending_token = sequence.sampler(logits)
         return sequence
@@ -184,36 +212,38 @@ def hf_cache_from_snapshot(full_snapshot, batch: int):
 
 
 def hf_generate_block(model, base_cache, ids, tokens: int) -> list[float]:
-    """Continue HF generate (greedy, DynamicCache) from a copy of `base_cache` for `tokens` decode
-    steps; returns each step's time (between successive logits-processor calls)."""
+    """Continue HF generate (greedy, DynamicCache) from `base_cache` for `tokens` decode steps, then
+    crop the cache back to its C tokens (no copy of the cache: at 8k x batch 8 it is 3 GiB); returns
+    each step's time (between successive logits-processor calls)."""
     import torch
     from transformers import LogitsProcessorList
 
-    past = copy.deepcopy(base_cache)
+    length = base_cache.get_seq_length()
     clock = Clock()
     new_tokens = tokens + 1
     with torch.no_grad():
         out = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
-            past_key_values=past,
+            past_key_values=base_cache,
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
             do_sample=False,
             pad_token_id=model.config.pad_token_id,
             logits_processor=LogitsProcessorList([clock]),
         )
+    base_cache.crop(length - base_cache.get_seq_length())  # negative: drop the generated tokens
     assert out.shape[1] == ids.shape[1] + new_tokens
     return np.diff(clock.stamps).tolist()
 
 
-def time_point(decoder, snapshots: dict, configs: dict, hf_model, prompt, batch: int, steps: int, warmup: int, block: int) -> dict:
+def time_point(decoder, snapshots: dict, configs: dict, hf_model, prompt, batch: int, steps: int, warmup: int, block: int, learned_scorers: dict) -> dict:
     """Median decode step time of every system at one (context, batch), measured INTERLEAVED: in
     each round every engine configuration runs `block` steps and HF generate runs `block` steps, so
     load from other processes on a shared machine hits all systems alike."""
     engines = {}
     for name, cache in configs.items():
-        engine = SnapshotEngine(decoder, max_batch_size=batch, snapshot=snapshots[name])
+        engine = SnapshotEngine(decoder, max_batch_size=batch, snapshot=snapshots[name], learned_scorers=learned_scorers)
         sampling = SamplingParams(max_tokens=warmup + steps + block + 2, ignore_eos=True)
         for index in range(batch):
             engine.add_request(GenerationRequest(f"b{index}", [3], sampling, cache))
@@ -246,7 +276,9 @@ def time_point(decoder, snapshots: dict, configs: dict, hf_model, prompt, batch:
             kv_bytes = 2 * decoder.spec.num_layers * batch * decoder.spec.num_kv_heads * snapshots["full"][0].length * decoder.spec.head_dim * decoder.dtype.itemsize
             rows[name] = {**summarize(values, batch), "kv_bytes": kv_bytes}
         else:
-            rows[name] = {**summarize(values, batch), "kv_bytes": engines[name].kv_bytes_in_use, "cache_slots": engines[name].cache_manager.pool.slots}
+            # Whether the decode steps took the vectorised kvpop path (kvpop.cache.decode_batch).
+            vectorised = all(batch_group(sequence.cache) is not None for sequence in engines[name]._running.values())
+            rows[name] = {**summarize(values, batch), "kv_bytes": engines[name].kv_bytes_in_use, "cache_slots": engines[name].cache_manager.pool.slots, "vectorised_decode": vectorised}
     del engines, hf_base
     return rows
 
@@ -270,7 +302,7 @@ def _memory_worker(model_dir: str, cache: CacheConfig, tokens: int, prompt_token
     import psutil
 
     decoder = DecoderStep(Path(model_dir), threads=threads)
-    engine = Engine(decoder, max_batch_size=1)
+    engine = Engine(decoder, max_batch_size=1, learned_scorers=load_learned_scorers(Path(model_dir)) if cache.learned_scorer else None)
     prompt = random_prompt(decoder.spec.vocab_size, prompt_tokens)
     engine.add_request(GenerationRequest("m", prompt, SamplingParams(max_tokens=tokens, ignore_eos=True), cache))
     process, samples, generated = psutil.Process(), [], 0
@@ -292,6 +324,140 @@ def measure_memory(model_dir: Path, cache: CacheConfig, tokens: int, threads: in
     samples = queue.get()
     worker.join()
     return samples
+
+
+# -- learned scorers -------------------------------------------------------------------------------
+
+UNTRAINED = "untrained: initialised (seed 0) by benchmarks.speed for timing only"
+
+
+def scratch_model_dir(model_dir: Path, scratch: Path, kinds: set[str], window: int) -> Path:
+    """A copy of the export `model_dir` in `scratch` (a re-export of `model_dir` mid-run cannot change
+    the graphs being timed; the weights are copied, not linked: onnxruntime refuses external data
+    outside the model's directory) with a learned scorer of every kind in `kinds`: the model's own
+    where it has one, else an initialised, UNTRAINED scorer of the model's shape with protected
+    window `window` (speed only). Files already copied (same size and time) are kept."""
+    model_dir, scratch = Path(model_dir).resolve(), Path(scratch)
+    scratch.mkdir(parents=True, exist_ok=True)
+    for source in model_dir.iterdir():
+        if source.name == "__pycache__":
+            continue
+        target = scratch / source.name
+        if source.is_file() and target.is_file() and not target.is_symlink():
+            mine, theirs = target.stat(), source.stat()
+            if (mine.st_size, mine.st_mtime_ns) == (theirs.st_size, theirs.st_mtime_ns):
+                continue
+        if target.is_symlink() or target.is_file():
+            target.unlink()
+        elif target.is_dir():
+            shutil.rmtree(target)
+        if source.is_dir():
+            shutil.copytree(source, target)
+        else:
+            shutil.copy2(source, target)
+    missing = sorted(kind for kind in kinds if not (model_dir / f"scorer_{kind}.json").exists())
+    if missing:
+        import torch
+
+        from kvpop_train.scorer.network import Scorer, ScorerConfig
+        from kvpop_train.scorer.onnx_export import export_scorer
+
+        spec = json.loads((model_dir / "model_spec.json").read_text())
+        for kind in missing:
+            config = ScorerConfig(kind=kind, num_layers=spec["num_layers"], num_kv_heads=spec["num_kv_heads"], head_dim=spec["head_dim"], window=window)
+            previous = scratch / f"scorer_{kind}.json"
+            earlier = json.loads(previous.read_text()) if previous.exists() else {}
+            if earlier.get("source") == UNTRAINED and earlier.get("config") == config.to_dict():
+                continue  # exported by an earlier run
+            torch.manual_seed(0)
+            exported = export_scorer(Scorer(config), scratch, source=UNTRAINED)
+            print(f"exported an untrained {kind} scorer of the model's shape (window {window}) to {exported.onnx_path} (parity {exported.max_abs_diff:.1e})", flush=True)
+    return scratch
+
+
+def scorer_notes(model_dir: Path, kinds: set[str]) -> dict[str, dict]:
+    """What each learned scorer in use is: its window, shape and where its weights came from."""
+    notes = {}
+    for kind in sorted(kinds):
+        data = json.loads((Path(model_dir) / f"scorer_{kind}.json").read_text())
+        notes[kind] = {
+            "window": data["config"]["window"], "memory_dim": data["config"].get("memory_dim"), "hidden_dim": data["config"].get("hidden_dim"),
+            "source": data.get("source", ""), "trained": data.get("source", "") != UNTRAINED,
+            "batch_graph": data.get("batch_onnx_file"),
+        }
+    return notes
+
+
+def time_scorer_calls(learned_scorers: dict[str, TokenScorer], kinds: set[str], spec, batches, repeats: int = 40, warmup: int = 3) -> list[dict]:
+    """The learned scorer alone, as one vectorised decode step calls it: `score_decode_batch` on B
+    sequences' new and leaving tokens, (B, L, Hkv, D) each (medians of `repeats` calls). For a
+    stateful kind at B > 1 (the engine runs its tiled batch graph) it also times the alternative,
+    B calls of the one-sequence step, interleaved with it call by call."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for kind in sorted(kinds):
+        scorer = learned_scorers[kind]
+        runtime = scorer.runtime
+        for batch in batches:
+            tokens = [rng.standard_normal((batch, spec.num_layers, spec.num_kv_heads, spec.head_dim)).astype(np.float32) for _ in range(4)]
+            states = [scorer.init_state() for _ in range(batch)]
+
+            def one_by_one() -> None:
+                for row, state in enumerate(states):
+                    runtime.step(state.recurrent, *(array[row, :, :, None] for array in tokens))
+
+            variants = {"engine": lambda: scorer.score_decode_batch(states, *tokens)}
+            if runtime.spec.state_shapes and runtime.batch_session is not None and batch > 1:
+                variants["one_sequence_calls"] = one_by_one
+            times: dict[str, list[float]] = {name: [] for name in variants}
+            for _ in range(warmup + repeats):
+                for name, call in variants.items():
+                    start = time.perf_counter()
+                    call()
+                    times[name].append(time.perf_counter() - start)
+            row = {"kind": kind, "batch": batch, "calls_timed": repeats}
+            for name, values in times.items():
+                median = statistics.median(values[warmup:])
+                prefix = "call" if name == "engine" else name
+                row[f"{prefix}_ms"] = 1000 * median
+                row[f"{prefix}_p90_ms"] = 1000 * float(np.percentile(values[warmup:], 90))
+            row["ms_per_sequence"] = row["call_ms"] / batch
+            rows.append(row)
+    return rows
+
+
+def policy_overheads(report: dict) -> list[dict]:
+    """Each kvpop system's step time minus `streaming`'s at the same budget, context and batch:
+    what kvpop's scoring and bookkeeping add (streaming evicts by position and scores nothing)."""
+    table = []
+    for row in report["decode"]:
+        policy, _, budget = row["system"].rpartition("-")
+        if not policy.startswith("kvpop"):
+            continue
+        baseline = [r for r in report["decode"] if r["system"] == f"streaming-{budget}" and r["context"] == row["context"] and r["batch"] == row["batch"]]
+        if baseline:
+            base = baseline[0]["step_latency_s"]
+            table.append({
+                "system": row["system"], "versus": f"streaming-{budget}", "context": row["context"], "batch": row["batch"],
+                "overhead_ms_per_step": 1000 * (row["step_latency_s"] - base), "overhead_ms_per_token": 1000 * (row["step_latency_s"] - base) / row["batch"],
+                "overhead_fraction": row["step_latency_s"] / base - 1,
+            })
+    return table
+
+
+def overhead_lines(report: dict, target_context: int = 8192) -> list[str]:
+    contexts = {row["context"] for row in report["policy_overhead"]}
+    if not contexts:
+        return []
+    context = min(contexts, key=lambda c: abs(c - target_context))
+    lines = [
+        f"context {context}, batch {e['batch']}: {e['system']} - {e['versus']}: {e['overhead_ms_per_step']:+.2f} ms/step ({100 * e['overhead_fraction']:+.1f}%)"
+        for e in report["policy_overhead"] if e["context"] == context
+    ]
+    for r in report["scorer_calls"]:
+        alternative = f"; {r['batch']} one-sequence calls: {r['one_sequence_calls_ms']:.2f} ms" if "one_sequence_calls_ms" in r else ""
+        lines.append(f"scorer call alone: {r['kind']} batch {r['batch']}: {r['call_ms']:.2f} ms/step ({r['ms_per_sequence']:.3f} ms per sequence){alternative}")
+    return lines
 
 
 # -- report ----------------------------------------------------------------------------------------
@@ -319,6 +485,8 @@ def plot(report: dict, out_dir: Path) -> None:
     figure.savefig(out_dir / "decode_speed.png", dpi=120)
     plt.close(figure)
 
+    if not report["memory"]:
+        return
     figure, (rss, kv) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, samples in report["memory"].items():
         generated = [s["generated"] for s in samples]
@@ -390,6 +558,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-chunk", type=int, help="engine prefill chunk (contexts must be multiples)")
     parser.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads = torch threads")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--untrained-scorers-dir", type=Path, help="time a copy of --model built here, with an initialised (untrained) "
+                        "scorer of the model's shape for each kvpop:<kind> the model lacks")
+    parser.add_argument("--scorer-window", type=int, default=64, help="protected window of such untrained scorers")
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
 
@@ -406,8 +577,17 @@ def main(argv: list[str] | None = None) -> int:
             plan[key] = getattr(args, key)
     plan["threads"] = args.threads
     work = Path(tempfile.mkdtemp(prefix="kvpop-speed-"))
+    random_weights = args.model is None
     if args.model is None:
         args.model, args.hf_model = prepare_model(work, args.quick)
+    configs = cache_configs(plan["budgets"], plan["policies"], plan["extra_policies"])
+    memory_configs = {"full": CacheConfig(policy="full")}
+    for policy in plan["memory_policies"]:
+        memory_configs[f"{policy}-{plan['memory_budget']}"] = bounded_config(policy, plan["memory_budget"])
+    kinds = {cache.learned_scorer for cache in (*configs.values(), *(memory_configs.values() if plan["memory_tokens"] else ())) if cache.learned_scorer}
+    if kinds and (random_weights or args.untrained_scorers_dir):
+        args.model = scratch_model_dir(args.model, args.untrained_scorers_dir or work / "scorers", kinds, args.scorer_window)
+    learned_scorers = load_learned_scorers(args.model) if kinds else {}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
 
@@ -424,7 +604,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{spec.architecture}: {spec.num_layers} layers, {spec.num_attention_heads}/{spec.num_kv_heads} heads (GQA), "
         f"head_dim {spec.head_dim}, vocab {spec.vocab_size}, fp32"
         + (f", {sum(p.numel() for p in hf_model.parameters()) / 1e6:.1f}M params" if hf_model is not None else "")
-        + ("; RANDOM weights (speed only)" if not args.quick else "; tiny random model")
+        + (("; tiny random model" if args.quick else "; RANDOM weights (speed only)") if random_weights else f"; weights of {args.hf_model or args.model}")
+        + ("; UNTRAINED learned scorers (speed only)" if any(not note["trained"] for note in scorer_notes(args.model, kinds).values()) else "")
         + f"; CPU, {args.threads} thread(s)"
     )
     print(model_note, flush=True)
@@ -438,34 +619,34 @@ def main(argv: list[str] | None = None) -> int:
         "decode": [],
         "memory": {},
         "checks": {},
+        "learned_scorers": scorer_notes(args.model, kinds),
     }
-    configs = cache_configs(plan["budgets"], plan["policies"], plan["extra_policies"])
     prompt = random_prompt(spec.vocab_size, max(plan["contexts"]))
     snapshots = {}
     for name, cache in configs.items():
         start = time.perf_counter()
-        snapshots[name] = prefill_snapshots(decoder, cache, prompt, plan["contexts"], plan["prefill_chunk"])
+        snapshots[name] = prefill_snapshots(decoder, cache, prompt, plan["contexts"], plan["prefill_chunk"], learned_scorers)
         smallest = min(plan["contexts"])
-        diff = check_snapshot(decoder, cache, prompt[:smallest], snapshots[name][smallest], plan["prefill_chunk"])
+        diff = check_snapshot(decoder, cache, prompt[:smallest], snapshots[name][smallest], plan["prefill_chunk"], learned_scorers)
         report["checks"][f"{name}: snapshot vs Engine._prefill max |key diff| at {smallest}"] = diff
         report["prefill_s"] = {**report.get("prefill_s", {}), name: time.perf_counter() - start}
         print(f"prefill {name:14s} {max(plan['contexts'])} tokens in {time.perf_counter() - start:6.1f} s (snapshot check {diff:.1e})", flush=True)
 
+    decoder = DecoderStep(args.model, threads=args.threads)  # fresh sessions: onnxruntime keeps the prefill's (large) arena
     for context in plan["contexts"]:
         for batch in plan["batches"]:
             point = {name: snapshots[name][context] for name in configs}
-            rows = time_point(decoder, point, configs, hf_model, prompt, batch, plan["decode_steps"], plan["warmup_steps"], plan["block"])
+            rows = time_point(decoder, point, configs, hf_model, prompt, batch, plan["decode_steps"], plan["warmup_steps"], plan["block"], learned_scorers)
             for name, row in rows.items():
                 report["decode"].append({"system": name, "batch": batch, "context": context, **row})
                 print(f"ctx {context:6d} batch {batch} {name:14s} {row['ms_per_token']:8.2f} ms/token {row['tokens_per_s']:8.1f} tok/s  step {1000 * row['step_latency_s']:8.2f} ms (p90 {1000 * row['step_latency_p90_s']:.1f})", flush=True)
         for name in configs:  # this context's snapshots are no longer needed
             snapshots[name].pop(context)
     report["ratios"] = ratios(report)
+    report["policy_overhead"] = policy_overheads(report)
+    report["scorer_calls"] = time_scorer_calls(learned_scorers, kinds, spec, plan["batches"])
 
     if plan["memory_tokens"]:
-        memory_configs = {"full": CacheConfig(policy="full")}
-        for policy in plan["memory_policies"]:
-            memory_configs[f"{policy}-{plan['memory_budget']}"] = bounded_config(policy, plan["memory_budget"])
         for name, cache in memory_configs.items():
             samples = measure_memory(args.model, cache, plan["memory_tokens"], args.threads)
             report["memory"][name] = samples
@@ -476,11 +657,12 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     report["speedups_at_8k"] = speedup_lines(report)
+    report["kvpop_overhead_at_8k"] = overhead_lines(report)
     report["wall_s"] = time.perf_counter() - began
     (args.out_dir / "speed.json").write_text(json.dumps(report, indent=2) + "\n")
     plot(report, args.out_dir)
-    print("\n".join(report["speedups_at_8k"]))
-    print(f"wrote {args.out_dir}/speed.json, decode_speed.png, memory.png in {report['wall_s']:.0f} s")
+    print("\n".join(report["speedups_at_8k"] + report["kvpop_overhead_at_8k"]))
+    print(f"wrote {args.out_dir}/speed.json, decode_speed.png{', memory.png' if report['memory'] else ''} in {report['wall_s']:.0f} s")
     return 0
 
 

@@ -15,7 +15,7 @@ CONFIG ?= auto
 PID_FILE := run/tritonserver.pid
 
 .PHONY: help setup model export serve serve-bg stop test test-unit test-e2e clean reference-model eval-reference \
-	train-scorer eval-real tasks eval-sweep kvpress-env eval-kvpress speed speed-quick speed-real bench-service bench-sessions bench-profile loadtest \
+	train-scorer eval-real tasks eval-sweep kvpress-env eval-kvpress speed speed-quick speed-real bench-service bench-sessions bench-profile bench-overhead loadtest \
 	system-deps image image-lb test-cluster load-time test-faults test-fuzz stress soak
 
 REFERENCE := models/reference
@@ -210,6 +210,10 @@ bench-sessions: setup  ## TTFT per turn of a 10-turn conversation, sessions vs r
 bench-profile: setup  ## where an engine step's milliseconds go, one request and a loaded period: docs/benchmarks/profile_engine_after.*
 	@test -f $(BENCH_MODEL)/model_spec.json || $(PY) -m export --model $(BENCH_HF) --output $(BENCH_MODEL)
 	$(PY) -m benchmarks.profile_engine --model $(BENCH_MODEL) --out docs/benchmarks/profile_engine_after.json
+
+bench-overhead: setup  ## kvpop's own cost per token in the engine: full vs kvpop scorers, vectorised decode on / off: docs/benchmarks/policy_overhead.*
+	@test -f $(BENCH_MODEL)/model_spec.json || $(PY) -m export --model $(BENCH_HF) --output $(BENCH_MODEL)
+	$(PY) -m benchmarks.policy_overhead --model $(BENCH_MODEL) --out-dir docs/benchmarks
 
 loadtest: setup  ## locust against a running server (make serve-bg first): USERS, DURATION, PROTOCOL=http|grpc
 	@mkdir -p loadtest/results

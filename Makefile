@@ -122,10 +122,20 @@ SCORER_TEXTS := build/scorer-texts/english.jsonl
 REAL_KV_WINDOW ?= 64
 IS_REAL_MODEL = $(filter-out $(REFERENCE) $(REFERENCE)/,$(MODEL))
 
-train-scorer: setup  ## train the KVpop scorers (mLSTM + MLP) for MODEL (default: the reference model) into MODEL/scorer
+# A real model's directory is git-ignored (built at setup), so its scorers go to scorers/<model name>/,
+# committed, where `make export` finds them (export.pipeline.scorer_dir_for).
+# What the shipped SmolLM2 scorers were trained with (docs/quality/real/SCORER.md): 16 texts cut at
+# 1024 tokens, 6 minutes per kind: what fitted a session on a 2-core machine shared with other jobs.
+SCORER_MINUTES ?= 6
+SCORER_NUM_TEXTS ?= 16
+SCORER_MAX_TOKENS ?= 1024
+
+train-scorer: setup  ## train the KVpop scorers (mLSTM + MLP) for MODEL (default: reference -> MODEL/scorer; a real model -> scorers/<name>/)
 	$(if $(IS_REAL_MODEL),$(PY) -m kvpop_train.scorer.english_texts --out $(SCORER_TEXTS))
 	$(PY) -m kvpop_train.scorer.train --model $(or $(MODEL),$(REFERENCE)) $(if $(IS_REAL_MODEL),--texts $(SCORER_TEXTS) \
-		--window $(REAL_KV_WINDOW) --traces build/scorer-texts/traces-$(notdir $(MODEL:/=)).pt --threads $(THREADS),--window $(KV_WINDOW))
+		--out scorers/$(notdir $(MODEL:/=)) --minutes-per-kind $(SCORER_MINUTES) --num-texts $(SCORER_NUM_TEXTS) \
+		--max-tokens $(SCORER_MAX_TOKENS) --window $(REAL_KV_WINDOW) \
+		--traces build/scorer-texts/traces-$(notdir $(MODEL:/=))-$(SCORER_NUM_TEXTS)x$(SCORER_MAX_TOKENS).pt --threads $(THREADS),--window $(KV_WINDOW))
 
 # English long-context benchmark (benchmarks/english_tasks.py) on the exported model (`make export`):
 # every policy x compression per context length, contains-scoring, into docs/quality/real/<tokens>/.

@@ -25,9 +25,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, help="local Hugging Face model directory (Llama, Qwen2, Mistral)")
     parser.add_argument("--tiny", action="store_true", help="export a tiny random Llama (tests, plumbing)")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="model version directory to write")
+    parser.add_argument("--scorer-dir", type=Path, default=None,
+                        help="trained KVpop scorers (default: MODEL/scorer, else scorers/<model directory name>/)")
+    parser.add_argument("--scorers-only", action="store_true",
+                        help="re-export only the scorers into an existing export of --model (after retraining them)")
     args = parser.parse_args(argv)
 
-    from export.pipeline import ExportError, export_model
+    from export.pipeline import ExportError, export_model, export_scorers_only
+
+    if args.scorers_only:
+        if args.model is None:
+            parser.error("--scorers-only needs --model (the exported model)")
+        try:
+            report = export_scorers_only(args.model, args.output, args.scorer_dir)
+        except ExportError as error:
+            print(f"[export] FAILED: {error}", file=sys.stderr)
+            return 1
+        print(json.dumps(report["scorers"], indent=2))
+        return 0
 
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = args.model
@@ -44,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
                 print("[export] no --model given and no reference model: building a tiny random Llama", flush=True)
                 model_dir = build_tiny_llama(Path(scratch) / "tiny-llama")
         try:
-            report = export_model(model_dir, args.output)
+            report = export_model(model_dir, args.output, args.scorer_dir)
         except ExportError as error:
             print(f"[export] FAILED: {error}", file=sys.stderr)
             return 1

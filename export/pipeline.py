@@ -10,7 +10,10 @@ from pathlib import Path
 from kvpop.model_spec import ModelSpec
 
 TOKENIZER_DIRNAME = "tokenizer"
-SCORER_DIRNAME = "scorer"  # where `make train-scorer` leaves scorer_<kind>.pt beside the HF model
+SCORER_DIRNAME = "scorer"  # where `make train-scorer` leaves the reference model's scorer_<kind>.pt
+# A real model's directory is built at setup time and ignored by git, so its scorers (small, trained
+# once) are committed here instead, in a folder named like the model's directory.
+SHIPPED_SCORERS = Path(__file__).resolve().parent.parent / "scorers"
 REPORT_FILENAME = "export_report.json"
 
 
@@ -47,8 +50,16 @@ def model_spec_from_config(config, architecture: str, tokenizer) -> ModelSpec:
     )
 
 
-def export_model(model_dir: Path, output_dir: Path) -> dict:
-    """Export `model_dir` into `output_dir` (a Triton model version directory) and return the report."""
+def scorer_dir_for(model_dir: Path) -> Path:
+    """Where a model's trained scorers live: beside the model (`MODEL/scorer`, the reference model's),
+    else the repository's `scorers/<model directory name>/` (a real model's, shipped in git)."""
+    beside = Path(model_dir) / SCORER_DIRNAME
+    return beside if beside.is_dir() else SHIPPED_SCORERS / Path(model_dir).resolve().name
+
+
+def export_model(model_dir: Path, output_dir: Path, scorer_dir: Path | None = None) -> dict:
+    """Export `model_dir` into `output_dir` (a Triton model version directory) and return the report.
+    The scorers come from `scorer_dir` (default: scorer_dir_for(model_dir))."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -117,7 +128,24 @@ def export_model(model_dir: Path, output_dir: Path) -> dict:
     if not parity.passed:
         raise ExportError(f"parity check failed: {parity.as_dict()} (report in {output_dir / REPORT_FILENAME})")
 
-    report["scorers"] = export_learned_scorers(model_dir / SCORER_DIRNAME, output_dir, stage)
+    return _add_scorers(report, scorer_dir or scorer_dir_for(model_dir), output_dir, stage)
+
+
+def export_scorers_only(model_dir: Path, output_dir: Path, scorer_dir: Path | None = None) -> dict:
+    """Re-export only the scorers into an existing export of `model_dir` (the decoder step is not
+    touched: minutes saved after retraining a scorer). The export's report gains the scorers' parity."""
+    output_dir = Path(output_dir)
+    report_path = output_dir / REPORT_FILENAME
+    if not report_path.exists():
+        raise ExportError(f"{output_dir} holds no export (no {REPORT_FILENAME}): export the model first")
+    report = json.loads(report_path.read_text())
+    if Path(report["source_model"]).resolve() != Path(model_dir).resolve():
+        raise ExportError(f"{output_dir} is an export of {report['source_model']}, not of {model_dir}")
+    return _add_scorers(report, scorer_dir or scorer_dir_for(model_dir), output_dir, _Stages(total=1))
+
+
+def _add_scorers(report: dict, scorer_dir: Path, output_dir: Path, stage) -> dict:
+    report["scorers"] = export_learned_scorers(Path(scorer_dir), output_dir, stage)
     (output_dir / REPORT_FILENAME).write_text(json.dumps(report, indent=2) + "\n")
     failed = {name: result for name, result in report["scorers"].items() if not result["passed"]}
     if failed:

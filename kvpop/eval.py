@@ -144,8 +144,33 @@ def sweep(
     return summary
 
 
+def merge_sweeps(sweep_dirs: list[Path], out_dir: Path) -> list[dict]:
+    """One sweep from several run on the SAME tasks (say, the heuristics first and the learned scorers
+    once trained): the first sweep's full-cache row, every other policy's rows in the given order
+    (a later sweep's row replaces an earlier one), runtimes summed into the header."""
+    sweeps = [json.loads((Path(folder) / "sweep.json").read_text()) for folder in sweep_dirs]
+    digests = {sweep["tasks_sha256"] for sweep in sweeps}
+    if len(digests) != 1 or None in digests:
+        raise ValueError(f"sweeps of different (or unnamed) task files cannot be merged: {sorted(map(str, digests))}")
+    rows: dict[tuple[str, float], dict] = {}
+    for index, sweep in enumerate(sweeps):
+        for row in sweep["results"]:
+            if row["policy"] == "full" and index:
+                continue
+            rows[(row["policy"], row["compression"])] = row
+    summary = list(rows.values())
+    compressions = tuple(sorted({row["compression"] for row in summary}))
+    header = {key: sweeps[0][key] for key in ("tasks", "scoring", "tasks_file", "tasks_sha256")}
+    header["merged_from"] = [str(folder) for folder in sweep_dirs]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "sweep.json").write_text(json.dumps({**header, "results": summary}, indent=2) + "\n")
+    (out_dir / "sweep.md").write_text(markdown_table(summary, compressions))
+    plot_sweep(summary, out_dir / "accuracy_vs_compression.png")
+    return summary
+
+
 def _summary_row(report: dict, policy: str, ratio: float) -> dict:
-    keys = ("accuracy", "compression_achieved", "mean_budget", "max_peak_kv_bytes", "generated_tokens_per_s", "tasks")
+    keys = ("accuracy", "compression_achieved", "mean_budget", "max_peak_kv_bytes", "generated_tokens_per_s", "tasks", "seconds")
     # One character per task, in task order, so any two rows can be compared task by task.
     correct = "".join("1" if row["correct"] else "0" for row in report["rows"])
     return {"policy": policy, "compression": ratio, **{key: report[key] for key in keys}, "correct_by_task": correct}
@@ -185,7 +210,24 @@ def markdown_table(summary: list[dict], compressions: tuple[float, ...]) -> str:
     if 0.0 in compressions:
         text += ("\nAt 0% nothing is evicted, so no row is run there: each 0% cell is the full cache's accuracy, "
                  "copied (the engine's for engine policies; for `kvpress:` rows, the Hugging Face full cache's).\n")
-    return text + _interval_table(summary, compressions)
+    return text + _interval_table(summary, compressions) + _runtime_table(summary, compressions)
+
+
+def _runtime_table(summary: list[dict], compressions: tuple[float, ...]) -> str:
+    """Wall seconds of each run (all its tasks, batched), where the row recorded them."""
+    timed = [row for row in summary if "seconds" in row and not row.get("note")]
+    if not timed:
+        return ""
+    seconds = {(row["policy"], row["compression"]): row["seconds"] for row in timed}
+    lines = [
+        "\nWall seconds per run (every task of the row, batched, on the machine named in the report):\n",
+        "| policy | " + " | ".join(f"{ratio:.0%}" for ratio in compressions) + " |",
+        "|---|" + "---|" * len(compressions),
+    ]
+    for policy in dict.fromkeys(row["policy"] for row in timed):
+        cells = [f"{seconds[(policy, ratio)]:.0f}" if (policy, ratio) in seconds else "-" for ratio in compressions]
+        lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _interval_table(summary: list[dict], compressions: tuple[float, ...]) -> str:
@@ -259,7 +301,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policies", help="sweep: comma-separated policies or kvpop:<scorer> (default: all)")
     parser.add_argument("--scorer", default="accumulated_attention", help="single run, kvpop policy: its scorer")
     parser.add_argument("--compressions", default=",".join(str(r) for r in SWEEP_COMPRESSIONS))
+    parser.add_argument("--merge", type=Path, nargs="+", help="merge these sweep folders (same tasks) into --out-dir; runs nothing")
     args = parser.parse_args(argv)
+
+    if args.merge:
+        if args.out_dir is None:
+            parser.error("--merge needs --out-dir")
+        merge_sweeps(args.merge, args.out_dir)
+        print(f"merged {len(args.merge)} sweeps into {args.out_dir}")
+        return 0
 
     tasks = load_tasks(args.tasks, args.limit)
     engine = Engine.from_model_dir(args.model, device=args.device, max_batch_size=args.batch_size, prefill_chunk=args.prefill_chunk)

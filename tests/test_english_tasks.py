@@ -67,3 +67,28 @@ def test_scorer_training_texts_are_generic_english_outside_the_benchmark():
         assert record["continuations"] and all("Question: Which sentence above mentions" in c for c in record["continuations"])
         assert not any(paragraph in record["context"] for paragraph in haystack)
         assert "pass key" not in record["context"] and "special magic number" not in record["context"]
+
+
+def test_sweeps_of_the_same_tasks_merge_into_one_table(tmp_path):
+    import json
+
+    from kvpop.eval import merge_sweeps
+
+    def row(policy, compression, accuracy, seconds):
+        return {"policy": policy, "compression": compression, "accuracy": accuracy, "compression_achieved": compression,
+                "mean_budget": 10, "max_peak_kv_bytes": 1, "generated_tokens_per_s": 1.0, "tasks": 4,
+                "seconds": seconds, "correct_by_task": "1100" if accuracy == 0.5 else "1111"}
+
+    header = {"tasks": 4, "scoring": "contains", "tasks_file": "t.jsonl", "tasks_sha256": "abc"}
+    first, second = tmp_path / "heuristics", tmp_path / "learned"
+    for folder, rows in ((first, [row("full", 0.0, 1.0, 5), row("h2o", 0.88, 0.5, 7)]),
+                         (second, [row("full", 0.0, 0.5, 9), row("kvpop:mlp", 0.88, 1.0, 8)])):
+        folder.mkdir()
+        (folder / "sweep.json").write_text(json.dumps({**header, "results": rows}))
+    summary = merge_sweeps([first, second], tmp_path / "merged")
+    assert [(r["policy"], r["accuracy"]) for r in summary] == [("full", 1.0), ("h2o", 0.5), ("kvpop:mlp", 1.0)]
+    table = (tmp_path / "merged" / "sweep.md").read_text()
+    assert "Wall seconds per run" in table and "| kvpop:mlp | - | 8 |" in table
+    (second / "sweep.json").write_text(json.dumps({**header, "tasks_sha256": "other", "results": []}))
+    with pytest.raises(ValueError, match="different"):
+        merge_sweeps([first, second], tmp_path / "merged")

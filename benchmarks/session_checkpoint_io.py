@@ -56,7 +56,7 @@ def measure(slots: int, repeats: int, directory: Path) -> Row:
     sync = []
     for index in range(repeats):
         started = time.perf_counter()
-        size = write_checkpoint(directory / "sync.safetensors", states[index % 3], owner="o" * 64)
+        size = write_checkpoint(directory / "sync.safetensors", states[index % 3], owner="o" * 64).st_size
         sync.append(time.perf_counter() - started)
     # hot 0 / warm 0: every put is queued for the writer and its session leaves memory, as a demotion does
     store = SessionStore(TierLimits(hot_bytes=0, warm_bytes=0, cold_dir=directory / "store", cold_bytes=1 << 40), FINGERPRINT)

@@ -5,6 +5,7 @@ counted without reaching the caller (the engine's step thread)."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from pathlib import Path
 
@@ -209,3 +210,45 @@ def test_close_that_times_out_leaves_the_writer_finishing_its_writes(tmp_path, m
     assert sessions.flush(timeout=30) and file_of(sessions, "a").exists() and file_of(sessions, "b").exists()
     assert sessions.close(timeout=30)
     assert {thread for thread in threading.enumerate() if thread.name == "kvpop-checkpoints"} <= others  # stopped
+
+
+def test_tier_stats_never_scan_the_disk_on_the_callers_thread(tmp_path, monkeypatch):
+    _, state = make_state()
+    sessions = new_store(tmp_path, hot=0)
+    scan = sessions._cold_files
+
+    def writer_thread_only():
+        assert threading.current_thread().name == "kvpop-checkpoints", "a directory scan on the step thread"
+        return scan()
+
+    monkeypatch.setattr(sessions, "_cold_files", writer_thread_only)
+    for name in "abc":
+        sessions.put(name, state)
+    assert sessions.flush(timeout=30)
+    size = file_of(sessions, "a").stat().st_size
+    assert sessions.stats()[COLD] == {"entries": 3, "bytes": 3 * size}
+    sessions.remove("a")  # counted out at once, without a scan
+    data = file_of(sessions, "b").read_bytes()
+    file_of(sessions, "b").write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))  # same size, bad checksum
+    assert sessions.get("b") is None  # refused and deleted
+    assert sessions.stats()[COLD] == {"entries": 1, "bytes": size}
+
+
+def test_a_newer_file_from_another_instance_wins_even_before_the_writer_reports(tmp_path):
+    _, mine = make_state(tokens=40)
+    _, theirs = make_state(tokens=50, seed=1)
+    sessions = new_store(tmp_path)
+    other = new_store(tmp_path)  # another instance on the same checkpoint directory
+    reported = threading.Event()
+    report = sessions._writer._on_done
+    sessions._writer._on_done = lambda outcome: (reported.wait(30), report(outcome))  # the store hears late
+    sessions.put("a", mine)
+    while sessions.checkpoint_queue:  # written (no longer pending), not yet reported to the store
+        threading.Event().wait(0.01)
+    path = file_of(sessions, "a")
+    os.utime(path, ns=(path.stat().st_mtime_ns - 10**9,) * 2)  # coarse file-system clocks
+    other.put("a", theirs)
+    assert other.flush(timeout=30)
+    assert sessions.get("a").tokens_seen == 50  # the memory copy is known to be older than the file
+    reported.set()
+    assert sessions.flush(timeout=30)

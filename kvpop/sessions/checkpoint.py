@@ -125,8 +125,9 @@ def decode_checkpoint(data: bytes, owner: str, fingerprint: str) -> SessionState
     return _state(metadata, tensors, fingerprint)
 
 
-def write_checkpoint(path: Path, state: SessionState, owner: str) -> int:
-    """Write atomically (temp file, fsync, os.replace); returns the bytes written."""
+def write_checkpoint(path: Path, state: SessionState, owner: str) -> os.stat_result:
+    """Write atomically (temp file, fsync, os.replace). Returns the file's stat as written (size,
+    mtime), taken before the rename: a later write of the same path cannot be mistaken for this one."""
     path = Path(path)
     data = encode_checkpoint(state, owner)
     descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=SUFFIX)
@@ -135,11 +136,12 @@ def write_checkpoint(path: Path, state: SessionState, owner: str) -> int:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(temporary, path)
+            written = os.fstat(handle.fileno())
+        os.replace(temporary, path)  # the same inode: its mtime stays the one in `written`
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
-    return len(data)
+    return written
 
 
 def read_checkpoint(path: Path, owner: str, fingerprint: str) -> SessionState:

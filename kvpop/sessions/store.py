@@ -101,6 +101,10 @@ class SessionStore:
             Path(limits.cold_dir).mkdir(parents=True, exist_ok=True)
         self.secret = secret if secret is not None else self._load_secret()
         self._writer = CheckpointWriter(self._path, self._written, limits.checkpoint_queue) if limits.cold_dir is not None else None
+        # The cold tier's (entries, bytes), from the directory scan that follows every write on the
+        # writer thread, so `stats` (read by the metrics on the step thread) never scans the disk.
+        files = self._cold_files()
+        self._cold_stats = (len(files), sum(size for _, size, _ in files))
 
     # -- keys and paths -------------------------------------------------------------------------
 
@@ -142,6 +146,8 @@ class SessionStore:
             self.counters.lookups += 1
             for tier in (HOT, WARM):
                 entry = self._tiers[tier].pop(digest, None)
+                if entry is not None and entry.disk_stamp is None and self._writer is not None:
+                    entry.disk_stamp = self._writer.landed(digest, entry.state)  # written, not yet recorded
                 if entry is not None and entry.disk_stamp is not None and entry.disk_stamp != self._stamp(digest):
                     entry = None  # the checkpoint changed (another instance's newer turn, or damage): read it
                 if entry is not None:
@@ -188,7 +194,7 @@ class SessionStore:
                 self._report_queue()
             path = self._path(digest)
             if path is not None and path.exists():
-                path.unlink(missing_ok=True)
+                self._unlink_cold(path)
                 found = True
             return found
 
@@ -218,12 +224,12 @@ class SessionStore:
             return COLD if path is not None and path.exists() else None
 
     def stats(self) -> dict[str, dict[str, int]]:
-        """Entries and bytes per tier."""
+        """Entries and bytes per tier. Cold: as of this store's last write or removal (another
+        instance's new checkpoints count from this one's next write)."""
         with self._lock:
             result = {tier: {"entries": len(entries), "bytes": sum(entry.nbytes for entry in entries.values())}
                       for tier, entries in self._tiers.items()}
-            files = self._cold_files()
-            result[COLD] = {"entries": len(files), "bytes": sum(size for _, size, _ in files)}
+            result[COLD] = dict(zip(("entries", "bytes"), self._cold_stats))
             return result
 
     @property
@@ -238,9 +244,10 @@ class SessionStore:
 
     def sweep(self) -> None:
         """Delete expired and excess checkpoints (also done after every write, on the writer thread)."""
-        removed = self._sweep_cold()
+        removed, totals = self._sweep_cold()
         with self._lock:
             self.counters.cold_removed += removed
+            self._cold_stats = totals
 
     # -- tiers (called under the lock) ----------------------------------------------------------
 
@@ -286,6 +293,8 @@ class SessionStore:
         """A write ended (writer thread): count it, stamp the memory copy it came from, sweep the disk."""
         stored = outcome.error is None and not outcome.cancelled
         with self._lock:
+            if stored:
+                self._writer.landed(outcome.digest, outcome.state, take=True)
             self.counters.checkpoints_failed += outcome.error is not None
             self.counters.checkpoints_written += stored
             for tier in (HOT, WARM) if stored else ():
@@ -306,11 +315,21 @@ class SessionStore:
         except CheckpointError as error:
             log.warning("session checkpoint %s refused and deleted: %s", path.name, error)
             self.counters.checkpoints_rejected += 1
-            path.unlink(missing_ok=True)
+            self._unlink_cold(path)
             return None
         self.counters.restore_seconds.append(time.perf_counter() - started)
         os.utime(path)  # recently used: the last to expire or be removed for size
         return state
+
+    def _unlink_cold(self, path: Path) -> None:
+        """Delete one checkpoint (under the lock) and take it out of the cold tier's totals."""
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return
+        path.unlink(missing_ok=True)
+        entries, total = self._cold_stats
+        self._cold_stats = (max(entries - 1, 0), max(total - size, 0))
 
     def _cold_files(self) -> list[tuple[Path, int, float]]:
         """(path, bytes, mtime) of every checkpoint, oldest first."""
@@ -327,9 +346,9 @@ class SessionStore:
             files.append((path, info.st_size, info.st_mtime))
         return sorted(files, key=lambda item: item[2])
 
-    def _sweep_cold(self) -> int:
-        """Delete expired checkpoints, then the oldest past `cold_bytes`; how many. Needs no lock (files
-        only), so the writer thread's directory scan never holds up a lookup."""
+    def _sweep_cold(self) -> tuple[int, tuple[int, int]]:
+        """Delete expired checkpoints, then the oldest past `cold_bytes`: how many, and the (entries,
+        bytes) left. Needs no lock (files only), so the writer thread's scan never holds up a lookup."""
         files = self._cold_files()
         now = self.clock()
         total = sum(size for _, size, _ in files)
@@ -339,4 +358,4 @@ class SessionStore:
                 path.unlink(missing_ok=True)
                 total -= size
                 removed += 1
-        return removed
+        return removed, (len(files) - removed, total)

@@ -50,6 +50,9 @@ class CheckpointWriter:
         self._writing: str | None = None  # the digest being written now (still in _pending)
         self._cancelled = False  # the write in progress was cancelled: delete its file once it lands
         self._reporting = False  # the store is being told about a finished write (flush waits for it)
+        # digest -> (state, st_mtime_ns) of writes that landed and the store has not taken yet: set in
+        # the same step that ends the write's pending state, so a copy is never neither pending nor stamped.
+        self._landed: dict[str, tuple[SessionState, int]] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
 
@@ -69,6 +72,17 @@ class CheckpointWriter:
         """The state queued (or being written) for `digest`: newer than its file, if any."""
         with self._condition:
             return self._pending.get(digest)
+
+    def landed(self, digest: str, state: SessionState, take: bool = False) -> int | None:
+        """The mtime of the file `state` was written as, once written (None before, or for another
+        state of the session); `take` forgets it (the store has recorded it)."""
+        with self._condition:
+            found = self._landed.get(digest)
+            if found is None or found[0] is not state:
+                return None
+            if take:
+                del self._landed[digest]
+            return found[1]
 
     def cancel(self, digest: str) -> bool:
         """Forget a pending write; whether one was pending. A write of `digest` in progress is waited
@@ -131,6 +145,8 @@ class CheckpointWriter:
                 if self._cancelled:
                     self._path_of(digest).unlink(missing_ok=True)  # removed while it was being written
                     outcome = WriteOutcome(digest, state, None, outcome.seconds, outcome.error, cancelled=True)
+                elif outcome.stamp is not None:
+                    self._landed[digest] = (state, outcome.stamp)
                 if self._pending.get(digest) is state:  # not superseded or cancelled meanwhile
                     del self._pending[digest]
                 self._writing, self._reporting = None, True
@@ -147,8 +163,7 @@ class CheckpointWriter:
         path = self._path_of(digest)
         started = time.perf_counter()
         try:
-            write_checkpoint(path, state, owner=digest)
-            stamp = path.stat().st_mtime_ns
+            stamp = write_checkpoint(path, state, owner=digest).st_mtime_ns
         except Exception as error:  # a full disk, a permission: counted and logged, the turn is not failed
             log.warning("session checkpoint %s not written: %s", path.name, error)
             return WriteOutcome(digest, state, None, time.perf_counter() - started, error)

@@ -13,8 +13,8 @@ demoting from warm only drops the copy. Without it, a session is queued for the 
 is demoted from warm (a crash loses what was in memory). Either way the write itself happens on the
 store's writer thread (`kvpop.sessions.writer`), never on the engine's step thread: a session whose
 write is still pending is served from that pending copy, never from an older file; `close` (model
-finalize) flushes every pending write, so only a SIGKILL within the few milliseconds a write takes
-loses that one turn's checkpoint (the session then continues from its previous one).
+finalize) flushes every pending write, so only a SIGKILL within the time one write takes (tens to
+hundreds of milliseconds) loses that one turn's checkpoint (the session goes on from its previous one).
 
 Every id is validated and hashed with a keyed HMAC before it is a key or a file name; the secret is
 kept beside the checkpoints (`session.key`, mode 0600) so it survives restarts. Several instances

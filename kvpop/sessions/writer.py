@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +34,6 @@ class WriteOutcome:
     digest: str
     state: SessionState
     stamp: int | None  # st_mtime_ns of the file written; None when the write failed or was cancelled
-    seconds: float  # how long the write took (encode, write, fsync, rename)
     error: Exception | None = None
     cancelled: bool = False
 
@@ -144,7 +142,7 @@ class CheckpointWriter:
             with self._condition:
                 if self._cancelled:
                     self._path_of(digest).unlink(missing_ok=True)  # removed while it was being written
-                    outcome = WriteOutcome(digest, state, None, outcome.seconds, outcome.error, cancelled=True)
+                    outcome = WriteOutcome(digest, state, None, outcome.error, cancelled=True)
                 elif outcome.stamp is not None:
                     self._landed[digest] = (state, outcome.stamp)
                 if self._pending.get(digest) is state:  # not superseded or cancelled meanwhile
@@ -161,10 +159,9 @@ class CheckpointWriter:
 
     def _write(self, digest: str, state: SessionState) -> WriteOutcome:
         path = self._path_of(digest)
-        started = time.perf_counter()
         try:
             stamp = write_checkpoint(path, state, owner=digest).st_mtime_ns
         except Exception as error:  # a full disk, a permission: counted and logged, the turn is not failed
             log.warning("session checkpoint %s not written: %s", path.name, error)
-            return WriteOutcome(digest, state, None, time.perf_counter() - started, error)
-        return WriteOutcome(digest, state, stamp, time.perf_counter() - started)
+            return WriteOutcome(digest, state, None, error)
+        return WriteOutcome(digest, state, stamp)

@@ -51,7 +51,8 @@ def tiered(tmp_path_factory, tiny_onnx_model_dir):
 
         def refresh() -> None:
             time.sleep(1.1)  # the store's tiers are read into the metrics at most once a second, on a step
-            client.generate([1, 2], max_tokens=1)
+            client.generate([1, 2], max_tokens=1)  # answered before its step reads the store: so a second
+            client.generate([1, 2], max_tokens=1)  # request, which the one engine thread steps after it
 
         yield server, client, metric, refresh
 

@@ -97,8 +97,9 @@ def test_corrupt_checkpoint_is_refused_and_the_turn_prefills_cold(kvpop_grpc, tr
     assert follow.finish_reason == "length" and follow.tokens_reused == 0
     import time
 
-    time.sleep(1.5)  # session metrics are read from the store at most once a second
-    kvpop_grpc.generate([1, 2], max_tokens=1)
+    time.sleep(1.5)  # session metrics are read from the store at most once a second, on a step,
+    kvpop_grpc.generate([1, 2], max_tokens=1)  # after that step's answers: the next request's answer
+    kvpop_grpc.generate([1, 2], max_tokens=1)  # comes after the read
     assert metrics("kvpop_session_checkpoints_rejected_total") == rejected + 1
 
 

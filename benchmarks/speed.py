@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import multiprocessing
 import os
@@ -280,7 +281,18 @@ def time_point(decoder, snapshots: dict, configs: dict, hf_model, prompt, batch:
             vectorised = all(batch_group(sequence.cache) is not None for sequence in engines[name]._running.values())
             rows[name] = {**summarize(values, batch), "kv_bytes": engines[name].kv_bytes_in_use, "cache_slots": engines[name].cache_manager.pool.slots, "vectorised_decode": vectorised}
     del engines, hf_base
+    gc.collect()  # a pool and its bound caches refer to each other: free them now, not at some later gc
     return rows
+
+
+def memory_needed(spec, context: int, batch: int) -> int:
+    """Bytes a point needs at its peak beyond what the process holds, in units of the B sequences'
+    full cache (KV): the full engine's pool while a growth by one block packs a new pool from new
+    caches (3 KV, in warm-up), or its pool beside HF's cache and the grown copy its DynamicCache
+    concatenates each step (3 KV), plus the runtimes' working memory (SmolLM2 at 8k x 8: 2.8 GB of
+    KV, the process grew by 10.7 GB)."""
+    kv = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * np.dtype(spec.dtype).itemsize * (context + 64) * batch
+    return 4 * kv
 
 
 # -- memory ----------------------------------------------------------------------------------------
@@ -473,11 +485,12 @@ def plot(report: dict, out_dir: Path) -> None:
     figure, axes = plt.subplots(1, len(batches), figsize=(6.5 * len(batches), 4.8), squeeze=False)
     for axis, batch in zip(axes[0], batches):
         for system in dict.fromkeys(row["system"] for row in report["decode"]):
-            rows = [row for row in report["decode"] if row["system"] == system and row["batch"] == batch]
+            rows = sorted((row for row in report["decode"] if row["system"] == system and row["batch"] == batch), key=lambda row: row["context"])
             style = "--" if system == "hf-generate" else (":" if system == "full" else "-")
             axis.plot([r["context"] for r in rows], [r["ms_per_token"] for r in rows], style, marker="o", label=system)
         axis.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="decode ms per token (median)", title=f"batch {batch}")
         axis.set_xticks([r for r in report["plan"]["contexts"]], [str(r) for r in report["plan"]["contexts"]])
+        axis.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())  # only the measured contexts are labelled
         axis.grid(True, which="both", alpha=0.3)
         axis.legend(fontsize=7)
     figure.suptitle(report["model_note"], fontsize=8)
@@ -564,6 +577,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
 
+    import psutil
+
     began = time.perf_counter()
     plan = dict(QUICK_RUN if args.quick else FULL_RUN)
     for key in ("contexts", "budgets", "batches"):
@@ -633,8 +648,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prefill {name:14s} {max(plan['contexts'])} tokens in {time.perf_counter() - start:6.1f} s (snapshot check {diff:.1e})", flush=True)
 
     decoder = DecoderStep(args.model, threads=args.threads)  # fresh sessions: onnxruntime keeps the prefill's (large) arena
-    for context in plan["contexts"]:
+    # Longest context first: its largest batch needs the most memory, and the process holds the least
+    # then (the decoder's onnxruntime arena, for one, only grows).
+    for context in sorted(plan["contexts"], reverse=True):
         for batch in plan["batches"]:
+            needed, available = memory_needed(spec, context, batch), psutil.virtual_memory().available
+            if needed + 2 * 2**30 > available:  # never push a shared machine into its OOM killer
+                report["skipped"] = [*report.get("skipped", []), {"context": context, "batch": batch, "needed_bytes": needed, "available_bytes": available}]
+                print(f"ctx {context:6d} batch {batch} SKIPPED: needs ~{needed / 2**30:.1f} GiB, {available / 2**30:.1f} GiB available", flush=True)
+                continue
             point = {name: snapshots[name][context] for name in configs}
             rows = time_point(decoder, point, configs, hf_model, prompt, batch, plan["decode_steps"], plan["warmup_steps"], plan["block"], learned_scorers)
             for name, row in rows.items():
@@ -642,6 +664,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"ctx {context:6d} batch {batch} {name:14s} {row['ms_per_token']:8.2f} ms/token {row['tokens_per_s']:8.1f} tok/s  step {1000 * row['step_latency_s']:8.2f} ms (p90 {1000 * row['step_latency_p90_s']:.1f})", flush=True)
         for name in configs:  # this context's snapshots are no longer needed
             snapshots[name].pop(context)
+        (args.out_dir / "speed.partial.json").write_text(json.dumps(report, indent=2) + "\n")  # survives a crash later on
     report["ratios"] = ratios(report)
     report["policy_overhead"] = policy_overheads(report)
     report["scorer_calls"] = time_scorer_calls(learned_scorers, kinds, spec, plan["batches"])
@@ -660,6 +683,7 @@ def main(argv: list[str] | None = None) -> int:
     report["kvpop_overhead_at_8k"] = overhead_lines(report)
     report["wall_s"] = time.perf_counter() - began
     (args.out_dir / "speed.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out_dir / "speed.partial.json").unlink(missing_ok=True)
     plot(report, args.out_dir)
     print("\n".join(report["speedups_at_8k"] + report["kvpop_overhead_at_8k"]))
     print(f"wrote {args.out_dir}/speed.json, decode_speed.png{', memory.png' if report['memory'] else ''} in {report['wall_s']:.0f} s")

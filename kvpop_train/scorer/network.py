@@ -85,7 +85,9 @@ class ScorerConfig:
 
 
 class HeadLinear(nn.Module):
-    """H independent linear maps applied in one einsum: (H, T, in) -> (H, T, out)."""
+    """H independent linear maps applied in one einsum: (H, T, in) -> (H, T, out). Also takes k
+    sequences' heads stacked, (k * H, T, in) -> (k * H, T, out), head h of each sequence through map h
+    (the batched decode graph, kvpop_train.scorer.onnx_export), without copying the weights."""
 
     def __init__(self, heads: int, in_features: int, out_features: int) -> None:
         super().__init__()
@@ -93,7 +95,10 @@ class HeadLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(heads, 1, out_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.einsum("hti,hio->hto", x, self.weight) + self.bias
+        heads, steps = self.weight.shape[0], x.shape[1]
+        stacked = x.reshape(-1, heads, steps, x.shape[2])  # (k, H, T, in)
+        out = torch.einsum("khti,hio->khto", stacked, self.weight) + self.bias
+        return out.reshape(-1, steps, out.shape[-1])
 
 
 def mlstm_chunk(

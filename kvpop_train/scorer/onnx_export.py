@@ -57,8 +57,9 @@ class _BatchedDecodeStep(nn.Module):
 
     Why a second graph: the engine's decode step appends one token to every running sequence, and
     one ONNX call per sequence costs more than the scorer's arithmetic. The B sequences' heads run as
-    B * L * Hkv heads of one step with the per-head weights tiled B times: the same numbers, so each
-    sequence gets exactly its own step (checked at export)."""
+    B * L * Hkv heads of one step: the linear maps take stacked heads as they are (HeadLinear), the
+    per-head standardisation buffers are tiled B times (small); the same numbers, so each sequence
+    gets exactly its own step (checked at export)."""
 
     def __init__(self, scorer: Scorer) -> None:
         super().__init__()
@@ -66,8 +67,7 @@ class _BatchedDecodeStep(nn.Module):
 
     def forward(self, *inputs: torch.Tensor):
         batch = inputs[0].shape[0]
-        tiled = {name: tensor.repeat(batch, *([1] * (tensor.dim() - 1)))
-                 for name, tensor in (*self.step.named_parameters(), *self.step.named_buffers())}
+        tiled = {name: tensor.repeat(batch, *([1] * (tensor.dim() - 1))) for name, tensor in self.step.named_buffers()}
         folded = tuple(x.reshape(batch * x.shape[1], *x.shape[2:]) for x in inputs)  # B * L "layers"
         outputs = torch.func.functional_call(self.step, tiled, folded)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)

@@ -129,7 +129,7 @@ def test_context_reuse_gives_the_full_rerun_trace(tiny_hf_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_hf_model_dir)
     texts = [
         TraceText("Facts sit in a long context between filler words. " * 4, ("Which fact?", "The other one, please.")),
-        TraceText("A context cut by max_tokens keeps no continuation query. " * 8, ("Never seen.",)),
+        TraceText("A context cut by max_tokens loses its end, not its continuation. " * 8, ("Still seen.",)),
         "A plain text without continuations runs once either way. " * 3,
     ]
     reused = collect_traces(model, tokenizer, texts, window=4, max_tokens=64, block_size=5, progress=False)

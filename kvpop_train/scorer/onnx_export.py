@@ -74,7 +74,7 @@ class _BatchedDecodeStep(nn.Module):
         return tuple(y.reshape(batch, -1, *y.shape[1:]) for y in outputs)
 
 
-def export_decode_batch(scorer: Scorer, output_dir: Path) -> tuple[Path, float]:
+def export_decode_batch(scorer: Scorer, output_dir: Path) -> tuple[Path, float, float]:
     """Write scorer_<kind>.batch.onnx (stateful kinds; a stateless scorer batches by rows) and return
     it with the max |diff| of a batch of 5 against five single-sequence steps of the plain graph."""
     config = scorer.config
@@ -99,7 +99,8 @@ def export_decode_batch(scorer: Scorer, output_dir: Path) -> tuple[Path, float]:
         want = [single(*example.values()) for example in examples]
         want = [w if isinstance(w, tuple) else (w,) for w in want]
     max_abs_diff = max(float(np.abs(torch.stack([w[i] for w in want]).numpy() - got[i]).max()) for i in range(len(got)))
-    return path, max_abs_diff
+    scale = max(float(torch.stack([w[i] for w in want]).abs().max()) for i in range(len(got)))
+    return path, max_abs_diff, scale
 
 
 def example_inputs(scorer: Scorer, tokens: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -159,7 +160,7 @@ def export_scorer(scorer: Scorer, output_dir: Path, source: str = "") -> ScorerE
     program.save(str(onnx_path), external_data=False)
 
     session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
-    max_abs_diff = 0.0
+    max_abs_diff = scale = 0.0
     for tokens_now, seed in ((1, 1), (5, 2), (64, 3)):  # decode step, short chunk, a full chunk
         inputs = example_inputs(scorer, tokens_now, seed)
         with torch.no_grad():
@@ -168,11 +169,14 @@ def export_scorer(scorer: Scorer, output_dir: Path, source: str = "") -> ScorerE
         got = session.run(output_names, {name: value.numpy() for name, value in inputs.items()})
         for want, have in zip(expected, got):
             max_abs_diff = max(max_abs_diff, float(np.abs(want.numpy() - have).max()))
+            scale = max(scale, float(want.abs().max()))
     batch_file = None
     if config.stateful:
-        batch_path, batch_diff = export_decode_batch(scorer, output_dir)
-        batch_file, max_abs_diff = batch_path.name, max(max_abs_diff, batch_diff)
-    passed = max_abs_diff <= PARITY_TOLERANCE
+        batch_path, batch_diff, batch_scale = export_decode_batch(scorer, output_dir)
+        batch_file, max_abs_diff, scale = batch_path.name, max(max_abs_diff, batch_diff), max(scale, batch_scale)
+    # Relative to the outputs' scale (at least 1), as the decoder step's parity: an mLSTM's memory state
+    # grows with the tokens it has summed, and fp32 rounding of a value of 1e3 is already ~1e-4.
+    passed = max_abs_diff <= PARITY_TOLERANCE * max(1.0, scale)
     spec = {
         "config": config.to_dict(),
         "onnx_file": onnx_path.name,
@@ -180,7 +184,8 @@ def export_scorer(scorer: Scorer, output_dir: Path, source: str = "") -> ScorerE
         "inputs": input_names,
         "outputs": output_names,
         "state_shapes": {name: list(shape) for name, shape in config.state_shapes().items()},
-        "parity": {"max_abs_diff": max_abs_diff, "tolerance": PARITY_TOLERANCE, "passed": passed},
+        "parity": {"max_abs_diff": max_abs_diff, "output_scale": scale, "tolerance": PARITY_TOLERANCE,
+                   "tolerance_is": "relative to max(1, output_scale)", "passed": passed},
         "source": source,
     }
     spec_path = output_dir / f"scorer_{config.kind}.json"

@@ -205,13 +205,19 @@ def collect_traces(
     traces = []
     try:
         for text in tqdm(texts, desc="traces", unit="text", disable=not progress):
-            runs = [tokenizer(run, return_tensors="pt").input_ids[0, :max_tokens] for run in text.runs()]
-            runs = [ids for ids in runs if len(ids) > window]
-            if not runs:
-                continue
+            runs = [tokenizer(run, return_tensors="pt").input_ids[0] for run in text.runs()]
             context = 0  # first query that counts: the first continuation token
             if text.continuations:
                 context = _shared_prefix([tokenizer(text.context, return_tensors="pt").input_ids[0], *runs])
+                # Too long: the context loses its end, never the continuations (their queries are the targets).
+                keep = max_tokens - max(len(ids) - context for ids in runs)
+                if keep < context:
+                    runs = [torch.cat([ids[: max(keep, 0)], ids[context:]])[:max_tokens] for ids in runs]
+                    context = max(keep, 0)
+            runs = [ids[:max_tokens] for ids in runs]
+            runs = [ids for ids in runs if len(ids) > window]
+            if not runs or (text.continuations and context <= window):
+                continue
             recorder.first_query = context
             lengths = [len(ids) for ids in runs]
             if reuse_context and context > 0:

@@ -124,14 +124,15 @@ IS_REAL_MODEL = $(filter-out $(REFERENCE) $(REFERENCE)/,$(MODEL))
 
 # A real model's directory is git-ignored (built at setup), so its scorers go to scorers/<model name>/,
 # committed, where `make export` finds them (export.pipeline.scorer_dir_for).
-# What the shipped SmolLM2 scorers were trained with (docs/quality/real/SCORER.md): 16 texts cut at
-# 1024 tokens, 6 minutes per kind: what fitted a session on a 2-core machine shared with other jobs.
+# What the shipped SmolLM2 scorers were trained with (docs/quality/real/SCORER.md): 16 texts of ~1k
+# tokens, 6 minutes per kind: what fitted a session on a 2-core machine shared with other jobs.
 SCORER_MINUTES ?= 6
 SCORER_NUM_TEXTS ?= 16
 SCORER_MAX_TOKENS ?= 1024
+SCORER_MAX_CHARS ?= 4000# context characters (~1k tokens), so the recall questions are about text the trace keeps
 
 train-scorer: setup  ## train the KVpop scorers (mLSTM + MLP) for MODEL (default: reference -> MODEL/scorer; a real model -> scorers/<name>/)
-	$(if $(IS_REAL_MODEL),$(PY) -m kvpop_train.scorer.english_texts --out $(SCORER_TEXTS))
+	$(if $(IS_REAL_MODEL),$(PY) -m kvpop_train.scorer.english_texts --max-chars $(SCORER_MAX_CHARS) --out $(SCORER_TEXTS))
 	$(PY) -m kvpop_train.scorer.train --model $(or $(MODEL),$(REFERENCE)) $(if $(IS_REAL_MODEL),--texts $(SCORER_TEXTS) \
 		--out scorers/$(notdir $(MODEL:/=)) --minutes-per-kind $(SCORER_MINUTES) --num-texts $(SCORER_NUM_TEXTS) \
 		--max-tokens $(SCORER_MAX_TOKENS) --window $(REAL_KV_WINDOW) \
@@ -167,7 +168,7 @@ KVPRESS_VENV := .venv-kvpress
 KVPRESS_PY := $(KVPRESS_VENV)/bin/python
 KVPRESS_STAMP := $(KVPRESS_VENV)/.kvpress-setup
 KVPRESS_OUT ?= $(QUALITY_DIR)/kvpress.json
-KVPRESS_ARGS ?=
+KVPRESS_ARGS ?=# e.g. --scoring contains for the English tasks (as kvpop.eval --scoring)
 
 kvpress-env: $(KVPRESS_STAMP)  ## create .venv-kvpress for the kvpress comparison (its own pins)
 

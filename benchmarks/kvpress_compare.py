@@ -221,8 +221,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     import kvpress
 
-    from kvpop.tasks import exact_match  # pure Python: imports cleanly beside numpy 2
-
+    is_correct = answer_check(args.scoring)
     tasks = load_tasks(args.tasks, args.limit)
     runner = PressRunner(args.model, args.max_tokens)
     prompts = [encode(runner.tokenizer, task["prompt"]) for task in tasks]
@@ -248,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
                 raise RuntimeError(f"{policy} @ {ratio}: held {generation.peak_cache} tokens over the budget {budget}")
             text = runner.tokenizer.decode(generation.output_ids, skip_special_tokens=True)
             records.append({
-                "correct": bool(exact_match(text, str(task["answer"]))),
+                "correct": bool(is_correct(text, task["answer"])),
                 "compression": 1.0 - generation.final_cache / generation.tokens_seen,
                 "prompt_compression": 1.0 - generation.kept_after_prefill / generation.prompt_tokens,
                 "peak_cache": generation.peak_cache,
@@ -260,6 +259,7 @@ def run(args: argparse.Namespace) -> int:
             progress.update()
             progress.set_postfix(accuracy=f"{sum(r['correct'] for r in records) / len(records):.3f}")
         row = summarize(policy, variant, ratio, records, time.perf_counter() - start, runner.token_bytes)
+        row["correct_by_task"] = "".join("1" if record["correct"] else "0" for record in records)  # task order, as kvpop.eval
         if name is None:
             full_accuracy = row["accuracy"]
         else:
@@ -268,8 +268,19 @@ def run(args: argparse.Namespace) -> int:
                 row["decoding_interval"] = PRESSES[name].decoding_interval
             results.append(row)
         tqdm.write(f"{policy} @ {ratio:.0%}: accuracy {row['accuracy']:.3f}, "
-                   f"compression achieved {row['compression_achieved']:.1%} (prompt {row['prompt_compression']:.1%})", file=sys.stderr)
+                   f"compression achieved {row['compression_achieved']:.1%} (prompt {row['prompt_compression']:.1%}), "
+                   f"{row['seconds']:.0f} s", file=sys.stderr)
+        write_report(args, tasks, results, full_accuracy, full_details, complete=False)  # a cut run keeps its rows
     progress.close()
+    write_report(args, tasks, results, full_accuracy, full_details, complete=True)
+    print(f"wrote {args.out}: {len(results)} kvpress rows, HF full-cache accuracy {full_accuracy:.3f} on {len(tasks)} tasks")
+    return 0
+
+
+def write_report(args: argparse.Namespace, tasks: list[dict], results: list[dict], full_accuracy: float,
+                 full_details: list[dict], complete: bool) -> None:
+    import torch
+    import transformers
 
     zero_rows = [
         {"policy": policy, "compression": 0.0, "accuracy": full_accuracy, "compression_achieved": 0.0,
@@ -284,8 +295,9 @@ def run(args: argparse.Namespace) -> int:
         "tasks_file": str(args.tasks),
         "tasks_sha256": hashlib.sha256(Path(args.tasks).read_bytes()).hexdigest(),
         "tasks": len(tasks),
-        "scoring": "final_answer",
+        "scoring": args.scoring,
         "max_tokens": args.max_tokens,
+        "complete": complete,
         "full_accuracy_hf": full_accuracy,
         "definitions": {
             "compression": "the sweep's target r; for kvpress:NAME kvpress's compression_ratio on the prompt, "
@@ -302,8 +314,16 @@ def run(args: argparse.Namespace) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}: {len(results)} kvpress rows, HF full-cache accuracy {full_accuracy:.3f} on {len(tasks)} tasks")
-    return 0
+
+
+def answer_check(scoring: str):
+    """As kvpop.eval.scorer (which imports the engine, and so numpy<2): `contains` needs every item of a
+    list answer somewhere in the text; `final_answer` is the reference tasks' exact match."""
+    if scoring == "contains":
+        return lambda text, answer: all(str(item).strip() in text for item in (answer if isinstance(answer, list) else [answer]))
+    from kvpop.tasks import exact_match  # pure Python: imports cleanly beside numpy 2
+
+    return lambda text, answer: exact_match(text, str(answer))
 
 
 def _version(package: str) -> str:
@@ -371,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     run_parser.add_argument("--max-tokens", type=int, default=64, help="as kvpop.eval --max-tokens")
     run_parser.add_argument("--limit", type=int, default=None, help="first N tasks only")
     run_parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    run_parser.add_argument("--scoring", choices=["final_answer", "contains"], default="final_answer", help="as kvpop.eval --scoring")
     merge_parser = commands.add_parser("merge", help="add kvpress.json rows to a kvpop.eval sweep (in .venv)")
     merge_parser.add_argument("--kvpress", type=Path, required=True)
     merge_parser.add_argument("--sweep-dir", type=Path, required=True, help="folder with sweep.json from kvpop.eval --sweep")

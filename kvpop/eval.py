@@ -116,31 +116,44 @@ def sweep(
     sinks: int,
     window: int,
     tasks_file: Path | None = None,
+    run_full: bool = True,
 ) -> list[dict]:
     """Every policy x compression. At 0% nothing is evicted, so every policy IS the full cache:
-    full runs once and stands for all of them there."""
+    full runs once and stands for all of them there. Without `run_full` (rows to merge into a sweep
+    that has the full cache, `--merge`) only the listed policies run and only sweep.json is written."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    full = evaluate(engine, tasks, CacheConfig(policy="full", sinks=sinks, window=window), max_tokens, scoring)
-    summary = [_summary_row(full, "full", 0.0)]
-    print(f"full: accuracy {full['accuracy']:.3f}", flush=True)
+    header = {"tasks": len(tasks), "scoring": scoring, "tasks_file": str(tasks_file) if tasks_file else None,
+              "tasks_sha256": hashlib.sha256(Path(tasks_file).read_bytes()).hexdigest() if tasks_file else None}
+
+    def save(complete: bool) -> None:  # after every run: a long sweep cut short keeps what it measured
+        (out_dir / "sweep.json").write_text(json.dumps({**header, "complete": complete, "results": summary}, indent=2) + "\n")
+        if run_full:
+            (out_dir / "sweep.md").write_text(markdown_table(summary, compressions))
+
+    summary: list[dict] = []
+    if run_full:
+        full = evaluate(engine, tasks, CacheConfig(policy="full", sinks=sinks, window=window), max_tokens, scoring)
+        summary.append(_summary_row(full, "full", 0.0))
+        save(False)
+        print(f"full: accuracy {full['accuracy']:.3f} ({full['seconds']:.0f} s)", flush=True)
     for policy in policies:
         if policy == "full":
             continue
         for ratio in compressions:
             if ratio == 0.0:
-                summary.append({**_summary_row(full, policy, 0.0), "note": "no eviction at 0%: the full cache"})
+                if run_full:
+                    summary.append({**_summary_row(full, policy, 0.0), "note": "no eviction at 0%: the full cache"})
                 continue
             name, _, scorer_name = policy.partition(":")
             config = CacheConfig(policy=name, compression=ratio, sinks=sinks, window=window,
                                  scorer=scorer_name or "accumulated_attention")
             report = evaluate(engine, tasks, config, max_tokens, scoring)
             summary.append(_summary_row(report, policy, ratio))
-            print(f"{policy} @ {ratio:.0%}: accuracy {report['accuracy']:.3f}", flush=True)
-    header = {"tasks": len(tasks), "scoring": scoring, "tasks_file": str(tasks_file) if tasks_file else None,
-              "tasks_sha256": hashlib.sha256(Path(tasks_file).read_bytes()).hexdigest() if tasks_file else None}
-    (out_dir / "sweep.json").write_text(json.dumps({**header, "results": summary}, indent=2) + "\n")
-    (out_dir / "sweep.md").write_text(markdown_table(summary, compressions))
-    plot_sweep(summary, out_dir / "accuracy_vs_compression.png")
+            save(False)
+            print(f"{policy} @ {ratio:.0%}: accuracy {report['accuracy']:.3f} ({report['seconds']:.0f} s)", flush=True)
+    save(True)
+    if run_full:
+        plot_sweep(summary, out_dir / "accuracy_vs_compression.png")
     return summary
 
 
@@ -158,7 +171,12 @@ def merge_sweeps(sweep_dirs: list[Path], out_dir: Path) -> list[dict]:
             if row["policy"] == "full" and index:
                 continue
             rows[(row["policy"], row["compression"])] = row
-    summary = list(rows.values())
+    full = rows[("full", 0.0)]
+    for policy in dict.fromkeys(policy for policy, _ in rows):  # a --skip-full sweep's rows have no 0% cell
+        if (policy, 0.0) not in rows:
+            rows[(policy, 0.0)] = {**full, "policy": policy, "note": "no eviction at 0%: the full cache"}
+    order = list(dict.fromkeys(policy for policy, _ in rows))
+    summary = sorted(rows.values(), key=lambda row: (order.index(row["policy"]), row["compression"]))
     compressions = tuple(sorted({row["compression"] for row in summary}))
     header = {key: sweeps[0][key] for key in ("tasks", "scoring", "tasks_file", "tasks_sha256")}
     header["merged_from"] = [str(folder) for folder in sweep_dirs]
@@ -281,8 +299,8 @@ def plot_sweep(summary: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvpop.eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, required=True, help="exported model directory (decoder_step.onnx)")
-    parser.add_argument("--tasks", type=Path, required=True, help="JSONL with 'prompt' and 'answer' per line")
+    parser.add_argument("--model", type=Path, help="exported model directory (decoder_step.onnx); required unless --merge")
+    parser.add_argument("--tasks", type=Path, help="JSONL with 'prompt' and 'answer' per line; required unless --merge")
     parser.add_argument("--policy", choices=list(POLICIES), default="full")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--budget", type=int, help="slots per head")
@@ -301,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policies", help="sweep: comma-separated policies or kvpop:<scorer> (default: all)")
     parser.add_argument("--scorer", default="accumulated_attention", help="single run, kvpop policy: its scorer")
     parser.add_argument("--compressions", default=",".join(str(r) for r in SWEEP_COMPRESSIONS))
+    parser.add_argument("--skip-full", action="store_true", help="sweep: do not run the full cache (rows for --merge)")
     parser.add_argument("--merge", type=Path, nargs="+", help="merge these sweep folders (same tasks) into --out-dir; runs nothing")
     args = parser.parse_args(argv)
 
@@ -310,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         merge_sweeps(args.merge, args.out_dir)
         print(f"merged {len(args.merge)} sweeps into {args.out_dir}")
         return 0
+    if args.model is None or args.tasks is None:
+        parser.error("--model and --tasks are required (except with --merge)")
 
     tasks = load_tasks(args.tasks, args.limit)
     engine = Engine.from_model_dir(args.model, device=args.device, max_batch_size=args.batch_size, prefill_chunk=args.prefill_chunk)
@@ -323,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown policies {unknown}; registered: {', '.join(POLICIES)}")
         compressions = tuple(float(ratio) for ratio in args.compressions.split(","))
         sweep(engine, tasks, args.out_dir, policies, compressions, args.max_tokens, args.scoring, args.sinks, args.window,
-              tasks_file=args.tasks if not args.limit else None)
+              tasks_file=args.tasks if not args.limit else None, run_full=not args.skip_full)
         print(f"wrote {args.out_dir}/sweep.json, sweep.md, accuracy_vs_compression.png")
         return 0
     if args.out is None:

@@ -86,7 +86,9 @@ def test_sweeps_of_the_same_tasks_merge_into_one_table(tmp_path):
         folder.mkdir()
         (folder / "sweep.json").write_text(json.dumps({**header, "results": rows}))
     summary = merge_sweeps([first, second], tmp_path / "merged")
-    assert [(r["policy"], r["accuracy"]) for r in summary] == [("full", 1.0), ("h2o", 0.5), ("kvpop:mlp", 1.0)]
+    assert [(r["policy"], r["compression"], r["accuracy"]) for r in summary] == [
+        ("full", 0.0, 1.0), ("h2o", 0.0, 1.0), ("h2o", 0.88, 0.5), ("kvpop:mlp", 0.0, 1.0), ("kvpop:mlp", 0.88, 1.0)
+    ]  # the first sweep's full cache, copied into each policy's 0% cell
     table = (tmp_path / "merged" / "sweep.md").read_text()
     assert "Wall seconds per run" in table and "| kvpop:mlp | - | 8 |" in table
     (second / "sweep.json").write_text(json.dumps({**header, "tasks_sha256": "other", "results": []}))

@@ -209,15 +209,17 @@ def collect_traces(
             context = 0  # first query that counts: the first continuation token
             if text.continuations:
                 context = _shared_prefix([tokenizer(text.context, return_tensors="pt").input_ids[0], *runs])
-                # Too long: the context loses its end, never the continuations (their queries are the targets).
+                # Too long: the context loses its end, not the continuations (their queries are the targets),
+                # unless that would leave it no longer than the window; then every run is simply cut.
                 keep = max_tokens - max(len(ids) - context for ids in runs)
-                if keep < context:
-                    runs = [torch.cat([ids[: max(keep, 0)], ids[context:]])[:max_tokens] for ids in runs]
-                    context = max(keep, 0)
+                if window < keep < context:
+                    runs = [torch.cat([ids[:keep], ids[context:]]) for ids in runs]
+                    context = keep
             runs = [ids[:max_tokens] for ids in runs]
             runs = [ids for ids in runs if len(ids) > window]
-            if not runs or (text.continuations and context <= window):
+            if not runs:
                 continue
+            context = min(context, *(len(ids) for ids in runs))  # cut inside the context: no query counts
             recorder.first_query = context
             lengths = [len(ids) for ids in runs]
             if reuse_context and context > 0:
@@ -226,7 +228,7 @@ def collect_traces(
                 key, value, context_sums = recorder.take()
                 sums = []
                 for index, ids in enumerate(runs):
-                    if len(ids) == context:  # nothing after the context (cut by max_tokens): no counted query
+                    if len(ids) <= context:  # nothing after the context (cut by max_tokens): no counted query
                         sums.append(AttentionSums(torch.zeros_like(context_sums.future), torch.zeros_like(context_sums.future)))
                         continue
                     model(input_ids=ids[None, context:], past_key_values=cache, use_cache=True, logits_to_keep=1)

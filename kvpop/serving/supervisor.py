@@ -26,12 +26,15 @@ from pathlib import Path
 from kvpop.serving.drain import DRAIN_FILE_ENV, DrainSignal
 from kvpop.serving.launcher import LauncherError, StubProcess, TritonServer, remove_shm_regions, stub_processes
 RESTART_NOTICE_SECONDS = 0.5  # the front end's watcher polls every 0.1 s
+RESTART_NOTICE_MAX_SECONDS = 5.0  # a loaded machine may need longer to answer what the front end holds
+FRONTEND_GAUGES = ("kvpop_frontend_in_flight_requests",)
 # Gauges that say whether any request is still being served (summed over instances).
 BUSY_GAUGES = ("kvpop_active_sequences", "kvpop_queued_sequences", "kvpop_frontend_in_flight_requests")
 
 
-def busy_requests(metrics_url: str) -> float | None:
-    """Requests still held by the models, from the metrics port (None when it cannot be read)."""
+def busy_requests(metrics_url: str, gauges: tuple[str, ...] = BUSY_GAUGES) -> float | None:
+    """Requests still held by the models (the sum of `gauges`), from the metrics port (None when it
+    cannot be read)."""
     try:
         with urllib.request.urlopen(metrics_url, timeout=2) as response:
             text = response.read().decode()
@@ -40,7 +43,7 @@ def busy_requests(metrics_url: str) -> float | None:
     total = 0.0
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in BUSY_GAUGES:
+        if name in gauges:
             total += float(line.rsplit(" ", 1)[1])
     return total
 
@@ -156,7 +159,7 @@ class Supervisor:
         # Requests still held by a live front end (or engine) get UNAVAILABLE now, not a dropped
         # connection: a drain with no grace, then the restart.
         self.drain.start(0)
-        time.sleep(RESTART_NOTICE_SECONDS)
+        self._wait_for_front_end_answers()
         self._stop_server(force=True)
         self.drain.clear()
         try:
@@ -168,6 +171,18 @@ class Supervisor:
         seconds = round(time.monotonic() - started, 1)
         self.restarts.append({"reason": reason, "recovered": True, "seconds": seconds})
         self._log(f"recovered in {seconds} s")
+
+    def _wait_for_front_end_answers(self) -> None:
+        """After the restart notice: until the front end holds no request (it answered each with
+        UNAVAILABLE), at least RESTART_NOTICE_SECONDS and at most RESTART_NOTICE_MAX_SECONDS (a dead
+        front end's gauge never falls; an unreadable metrics port ends the wait)."""
+        started = time.monotonic()
+        time.sleep(RESTART_NOTICE_SECONDS)
+        while time.monotonic() - started < RESTART_NOTICE_MAX_SECONDS:
+            if not busy_requests(self.server.metrics_url, FRONTEND_GAUGES):
+                time.sleep(0.1)  # the gauge falls just before the answer is sent
+                return
+            time.sleep(0.1)
 
     def _drain_and_stop(self) -> None:
         self.state = "draining"

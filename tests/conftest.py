@@ -28,6 +28,14 @@ def tiny_onnx_model_dir(tiny_hf_model_dir: Path) -> Path:
     return output_dir
 
 
+@pytest.fixture(scope="session")
+def decoder(tiny_onnx_model_dir):
+    """The tiny model's decoder step, one onnxruntime thread (shared: it keeps no per-request state)."""
+    from kvpop.decoder import DecoderStep
+
+    return DecoderStep(tiny_onnx_model_dir, threads=1)
+
+
 REFERENCE_MODEL = Path(__file__).resolve().parents[1] / "models" / "reference"
 
 

@@ -20,11 +20,6 @@ NEW_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def decoder(tiny_onnx_model_dir) -> DecoderStep:
-    return DecoderStep(tiny_onnx_model_dir, threads=1)
-
-
-@pytest.fixture(scope="module")
 def tokenizer(tiny_onnx_model_dir):
     from transformers import AutoTokenizer
 

@@ -17,11 +17,6 @@ TURNS = 10
 REPLY = 8
 
 
-@pytest.fixture(scope="module")
-def decoder(tiny_onnx_model_dir) -> DecoderStep:
-    return DecoderStep(tiny_onnx_model_dir, threads=1)
-
-
 def make_store(model_dir, tmp_path, hot=1 << 30, warm=1 << 30) -> SessionStore:
     return SessionStore(TierLimits(hot_bytes=hot, warm_bytes=warm, cold_dir=tmp_path / "sessions"), model_fingerprint(model_dir))
 

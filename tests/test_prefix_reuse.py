@@ -9,16 +9,10 @@ import numpy as np
 import pytest
 
 from kvpop.cache.prefix_cache import PrefixCache
-from kvpop.decoder import DecoderStep
 from kvpop.engine import CacheConfig, Engine, GenerationRequest, SamplingParams, load_learned_scorers
 
 CHUNK = 8
 REPLY = 10
-
-
-@pytest.fixture(scope="module")
-def decoder(tiny_onnx_model_dir) -> DecoderStep:
-    return DecoderStep(tiny_onnx_model_dir, threads=1)
 
 
 @pytest.fixture(scope="module")

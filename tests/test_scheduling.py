@@ -17,11 +17,6 @@ rng = np.random.default_rng(7)
 LONG_PROMPT = [0] + [int(token) for token in rng.integers(3, 250, size=95)]  # 96 tokens: 12 chunks of 8
 
 
-@pytest.fixture(scope="module")
-def decoder(tiny_onnx_model_dir) -> DecoderStep:
-    return DecoderStep(tiny_onnx_model_dir, threads=1)
-
-
 def cache_config(policy: str) -> CacheConfig:
     return CacheConfig(policy=policy, budget=None if policy == "full" else 12, sinks=2, window=4)
 

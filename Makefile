@@ -88,10 +88,10 @@ test: setup  ## unit tests and end-to-end tests against a real tritonserver (a f
 	$(PY) -m pytest -q
 
 test-unit: setup  ## unit tests only
-	$(PY) -m pytest -q -m "not server"
+	$(PY) -m pytest -q -m "not server and not slow"
 
 test-e2e: setup  ## end-to-end tests only (real tritonserver, tritonclient HTTP and gRPC)
-	$(PY) -m pytest -q -m server
+	$(PY) -m pytest -q -m "server and not slow"
 
 test-faults: setup  ## stubs killed with SIGKILL and SIGTERM under load, against the real supervisor (~1.5 min)
 	$(PY) -m pytest -q -m faults tests/e2e/test_faults.py

@@ -17,8 +17,10 @@ Families (the needle sentences go at seeded depths between haystack paragraphs):
   vartrack    a chain of 4 assignments from a number plus a distractor chain; all 5 names are the answer
   qa          6 generated people, each with a job and a city; asks one person's city
 
-A record is {"prompt", "answer" (a string, or a list that must all appear), "family", "split",
-"context_tokens", "index"}; with --model the prompt is rendered by the model's chat template.
+The user turn is RULER's shape: a statement of what is hidden (never the key asked for), the haystack
+with the needles, then the question. A record is {"prompt", "context", "question", "answer" (a string,
+or a list that must all appear), "family", "split", "context_tokens", "index"}; "prompt" is the user
+turn (context, a blank line, question) rendered by the model's chat template when --model is given.
 Scoring is `contains` (kvpop.eval --scoring contains).
 """
 
@@ -99,6 +101,20 @@ class Needles:
     answer: str | list[str]
 
 
+# What the prompt says first, before the haystack, as RULER's templates do ("Some special magic numbers
+# are hidden within the following text. Make sure to memorize it. I will quiz you about the numbers
+# afterwards."): the kind of fact to look for, never the key that will be asked. Chosen on the
+# validation split at 2,048 tokens, where SmolLM2-135M's full cache answered 0 of 3 multikey tasks
+# with the plain instruction and 4 of 4 with this one (pass keys: 3 of 3 either way).
+TASK_STATEMENTS = {
+    "passkey": "There is a pass key hidden in the text below. Memorize it; I will ask you for it afterwards.",
+    "multikey": "Some special magic numbers are hidden in the text below. Memorize them; I will ask you about one of them afterwards.",
+    "multivalue": "Some special magic numbers are hidden in the text below. Memorize them; I will ask you about some of them afterwards.",
+    "vartrack": "Variable assignments (VAR X = ...) are hidden in the text below. Memorize them; I will ask you about them afterwards.",
+    "qa": "Facts about people, their jobs and their cities are hidden in the text below. Memorize them; I will ask you about one person afterwards.",
+}
+
+
 def _number(rng: random.Random) -> str:
     return str(rng.randrange(100000, 1000000))
 
@@ -149,6 +165,7 @@ def generate_task(
     pool = haystack_paragraphs()[split]
     order = rng.sample(range(len(pool)), len(pool))
     budget = context_tokens - sum(count_tokens(sentence) for sentence in needles.sentences) - count_tokens(needles.question)
+    budget -= count_tokens(TASK_STATEMENTS[family])
     paragraphs, used = [], 0
     for position in order:
         cost = _paragraph_tokens(pool[position], count_tokens)
@@ -162,10 +179,11 @@ def generate_task(
     depths = sorted(rng.randrange(len(paragraphs) + 1) for _ in needles.sentences)
     for offset, (depth, sentence) in enumerate(zip(depths, needles.sentences)):
         paragraphs.insert(depth + offset, sentence)
-    context = "\n\n".join(paragraphs)
+    context = f"{TASK_STATEMENTS[family]}\n\n" + "\n\n".join(paragraphs)
     return {
         "family": family, "split": split, "index": index, "context_tokens": context_tokens,
-        "content": f"Read the text below and answer the question after it.\n\n{context}\n\n{needles.question}",
+        "content": f"{context}\n\n{needles.question}",
+        "context": context, "question": needles.question,  # the two parts (kvpress takes the question apart)
         "answer": needles.answer,
     }
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks.english_tasks import FAMILIES, SPLITS, _pool, generate_task, haystack_paragraphs, write_tasks
+from benchmarks.english_tasks import FAMILIES, SPLITS, TASK_STATEMENTS, _pool, generate_task, haystack_paragraphs, write_tasks
 
 
 def count_words(text: str) -> int:
@@ -30,6 +30,8 @@ def test_every_family_is_seeded_sized_and_holds_its_answer(family):
     assert 1024 * 0.9 <= count_words(task["content"]) <= 1024 * 1.05
     answers = task["answer"] if isinstance(task["answer"], list) else [task["answer"]]
     context, question = task["content"].rsplit("\n\n", 1)
+    assert (context, question) == (task["context"], task["question"])
+    assert context.startswith(TASK_STATEMENTS[family])  # RULER's shape: what is hidden, then the text
     assert all(answer in context for answer in answers) and not any(answer in question for answer in answers)
     test_paragraphs = set(haystack_paragraphs()["test"])
     body = context.split("\n\n")[1:]

@@ -19,13 +19,24 @@ What runs (kvpress's own classes, read from its 0.5.5 source, not re-implemented
   same r, B = ceil((1 - r) * (prompt + max_tokens)) slots per head (`CacheConfig.resolve_budget`):
   the prefill press prunes the prompt to the budget, then `DecodingPress` (same scorer) prunes back
   every `interval` generated tokens, so no query ever sees more than B cached tokens plus itself.
+- `kvpress:NAME+question` (`--variants question`; tasks need "context" and "question", as
+  benchmarks.english_tasks writes them): kvpress's question-answering use, `pipe(context,
+  question=...)`. The press prunes r of the CONTEXT's cache only; the rest of the prompt (blank
+  line, question, end of turn, assistant header) is then fed uncompressed and every generated token
+  is kept. The tokens are the engine's own chat-templated prompt cut where the context ends
+  (kvpress's pipeline would drop the blank line and tokenize the halves apart). The press is thus
+  blind to the question, as kvpress intends (one compressed context, many questions): in
+  `kvpress:snapkv` the question sits in SnapKV's 64-token observation window; here it cannot.
 
 Compression. The project's is 1 - budget / tokens seen (prompt + generated tokens whose keys
 entered the cache), and its sweep targets r over prompt + max_tokens. kvpress's `compression_ratio`
 is a fraction of the prompt only: keeping (1 - r) P of P prompt tokens and all G generated ones is
 1 - ((1 - r) P + G) / (P + G) = r P / (P + G) in the project's terms, less than r. Every row
 carries both: `prompt_compression` (kvpress's) and `compression_achieved` (the project's, measured
-at the end of each generation as the engine does).
+at the end of each generation as the engine does). In `+question` rows r applies to the C context
+tokens; the Q = P - C tokens after them are all kept and count as kept prompt tokens, so
+prompt_compression = 1 - ((1 - r) C + Q) / P, a little under r; those rows add
+`context_compression` = 1 - kept / C (kvpress's ratio as reached).
 """
 
 from __future__ import annotations
@@ -42,7 +53,9 @@ from typing import Any
 
 COMPRESSIONS = (0.5, 0.75, 0.88, 0.94)  # kvpop.eval.SWEEP_COMPRESSIONS without the full cache at 0
 PRESS_NAMES = ("streaming_llm", "snapkv", "expected_attention", "knorm")
-VARIANTS = ("prefill", "decoding")
+VARIANTS = ("prefill", "decoding", "question")
+DEFAULT_VARIANTS = ("prefill", "decoding")  # `question` needs tasks with "context" and "question"
+SUFFIXES = {"prefill": "", "decoding": "+decoding", "question": "+question"}  # policy = kvpress:NAME + suffix
 SINKS = 4  # the engine's default CacheConfig.sinks; StreamingLLM and ExpectedAttention keep as many
 
 
@@ -76,13 +89,24 @@ PRESSES: dict[str, PressSpec] = {
 # --- run (in .venv-kvpress) ---------------------------------------------------------------------
 
 
-def load_tasks(path: Path, limit: int | None) -> list[dict]:
-    """The same JSONL kvpop.eval reads (kvpop.eval itself imports the engine, which needs numpy<2)."""
+def load_tasks(path: Path, limit: int | None, split: bool = False) -> list[dict]:
+    """The same JSONL kvpop.eval reads (kvpop.eval itself imports the engine, which needs numpy<2);
+    `split` (the +question variant) also needs each task's "context" and "question"."""
     tasks = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     missing = [number for number, task in enumerate(tasks, start=1) if "prompt" not in task or "answer" not in task]
     if missing or not tasks:
         raise ValueError(f"{path}: every line needs 'prompt' and 'answer' (bad lines: {missing[:5]}, tasks: {len(tasks)})")
-    return tasks[:limit] if limit else tasks
+    tasks = tasks[:limit] if limit else tasks
+    unsplit = [number for number, task in enumerate(tasks, start=1)
+               if not (isinstance(task.get("context"), str) and isinstance(task.get("question"), str))]
+    if split and unsplit:
+        raise ValueError(f"{path}: --variants question needs 'context' and 'question' strings on every line, as "
+                         f"benchmarks.english_tasks writes them (lines without: {unsplit[:5]}, {len(unsplit)} in all)")
+    return tasks
+
+
+def policy_name(name: str, variant: str) -> str:
+    return f"kvpress:{name}{SUFFIXES[variant]}"
 
 
 def encode(tokenizer: Any, prompt: str) -> list[int]:
@@ -90,6 +114,25 @@ def encode(tokenizer: Any, prompt: str) -> list[int]:
     ids = list(tokenizer(prompt)["input_ids"])
     bos = getattr(tokenizer, "bos_token_id", None)
     return ids if bos is None or (ids and ids[0] == bos) else [bos, *ids]
+
+
+def split_prompt(tokenizer: Any, task: dict) -> tuple[list[int], int]:
+    """The engine's token ids of task["prompt"] (`encode`) and how many of them are the context: the
+    prompt's user turn is f"{context}\n\n{question}", so the context ends at a known character, and
+    its tokens are the longest common prefix of the prompt's ids and the ids of the prompt cut there
+    (a token straddling the cut, e.g. a final "." merged with the blank line, goes to the question)."""
+    context, question, prompt = task["context"], task["question"], task["prompt"]
+    start = prompt.rfind(f"{context}\n\n{question}")
+    if not context or start < 0:
+        raise ValueError(f"task {task.get('index', '?')}: its prompt does not hold its context, a blank line, then its question")
+    ids = encode(tokenizer, prompt)
+    head = encode(tokenizer, prompt[: start + len(context)])
+    common = 0
+    while common < min(len(ids), len(head)) and ids[common] == head[common]:
+        common += 1
+    if not 0 < common < len(ids):
+        raise ValueError(f"task {task.get('index', '?')}: no context/question split in its {len(ids)} tokens ({common})")
+    return ids, common
 
 
 def engine_budget(compression: float, prompt_tokens: int, max_tokens: int) -> int:
@@ -107,22 +150,35 @@ def ratio_keeping(kept: int, length: int) -> float:
 class Generation:
     output_ids: list[int]
     prompt_tokens: int
-    kept_after_prefill: int  # cache length once the prefill press has pruned the prompt
+    kept_after_prefill: int  # cache length once the whole prompt is in (pruned context + question for +question)
     final_cache: int  # cache length after the last forward
     peak_cache: int  # largest cache length held between forwards
     budget: int | None  # the +decoding variant's cap (engine budget); None when generated tokens are all kept
+    context_tokens: int | None = None  # +question: the prompt's first tokens, the only ones the press saw
+    kept_context: int | None = None  # +question: cache length once the press has pruned the context
 
     @property
     def tokens_seen(self) -> int:
         # As the engine counts: the last sampled token is never fed, so its key never enters the cache.
         return self.prompt_tokens + len(self.output_ids) - 1
 
+    def compressions(self) -> dict[str, float]:
+        """The row columns of one generation (see the module docstring)."""
+        measured = {
+            "compression": 1.0 - self.final_cache / self.tokens_seen,
+            "prompt_compression": 1.0 - self.kept_after_prefill / self.prompt_tokens,
+        }
+        if self.context_tokens is not None:
+            measured["context_compression"] = 1.0 - self.kept_context / self.context_tokens
+        return measured
+
 
 class PressRunner:
-    """Greedy generation of one task under one press, as kvpress's own pipeline does it (prefill the
-    whole prompt inside the press's context manager, then feed one token at a time with explicit
-    position ids, since a pruned cache no longer tells the true position), minus the pipeline's
-    context/question split: the engine sees the question as part of the prompt, so the presses do too."""
+    """Greedy generation of one task under one press, as kvpress's own pipeline does it (prefill
+    inside the press's context manager, then feed the rest with explicit position ids, since a pruned
+    cache no longer tells the true position). Without `context_tokens` the press prefills the whole
+    prompt, question included, as the engine sees it; with it, as the pipeline's `_forward`: the
+    press prefills the context alone, and the question (+ assistant header) follows outside it."""
 
     def __init__(self, model_dir: Path, max_tokens: int):
         import torch
@@ -140,7 +196,7 @@ class PressRunner:
         # Key + value bytes of one token across every layer and KV head (float32).
         self.token_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4
 
-    def generate(self, prompt_ids: list[int], press: Any, budget: int | None) -> Generation:
+    def generate(self, prompt_ids: list[int], press: Any, budget: int | None, context_tokens: int | None = None) -> Generation:
         import contextlib
 
         from transformers import DynamicCache
@@ -148,9 +204,20 @@ class PressRunner:
         torch = self.torch
         cache = DynamicCache()
         output_ids: list[int] = []
-        with torch.inference_mode(), press(self.model) if press is not None else contextlib.nullcontext():
-            input_ids = torch.tensor([prompt_ids])
-            logits = self.model(input_ids=input_ids, past_key_values=cache, logits_to_keep=1).logits
+        split = len(prompt_ids) if context_tokens is None else context_tokens
+        with torch.inference_mode(), contextlib.ExitStack() as pressing:
+            if press is not None:
+                pressing.enter_context(press(self.model))
+            logits = self.model(input_ids=torch.tensor([prompt_ids[:split]]), past_key_values=cache, logits_to_keep=1).logits
+            kept_context = cache.get_seq_length()
+            if split < len(prompt_ids):
+                pressing.close()  # the press is done: the question enters the cache whole, as in kvpress's pipeline
+                logits = self.model(
+                    input_ids=torch.tensor([prompt_ids[split:]]),
+                    past_key_values=cache,
+                    position_ids=torch.arange(split, len(prompt_ids)).unsqueeze(0),
+                    logits_to_keep=1,
+                ).logits
             kept_after_prefill = peak = cache.get_seq_length()
             position = len(prompt_ids)
             while True:
@@ -165,13 +232,15 @@ class PressRunner:
                 ).logits
                 position += 1
                 peak = max(peak, cache.get_seq_length())
-        return Generation(output_ids, len(prompt_ids), kept_after_prefill, cache.get_seq_length(), peak, budget)
+        return Generation(output_ids, len(prompt_ids), kept_after_prefill, cache.get_seq_length(), peak, budget,
+                          context_tokens, None if context_tokens is None else kept_context)
 
 
 def build_press(kvpress: Any, name: str, variant: str, compression: float, prompt_tokens: int, max_tokens: int) -> tuple[Any, int | None]:
-    """The press for one task (the +decoding budget depends on the prompt's length) and its budget."""
+    """The press for one task (the +decoding budget depends on the prompt's length) and its budget;
+    +question uses the prefill press (on the context only: `PressRunner.generate`)."""
     spec = PRESSES[name]
-    if variant == "prefill":
+    if variant in ("prefill", "question"):
         return spec.build(kvpress, "prefill", compression), None
     budget = engine_budget(compression, prompt_tokens, max_tokens)
     # Between two prunings `interval - 1` generated tokens pile up; keeping that much less leaves
@@ -196,6 +265,7 @@ def summarize(policy: str, variant: str, compression: float, records: list[dict]
     def mean(key: str) -> float:
         return sum(record[key] for record in records) / count
 
+    extra = {"context_compression": mean("context_compression")} if "context_compression" in records[0] else {}
     return {
         "policy": policy,
         "compression": compression,
@@ -206,6 +276,7 @@ def summarize(policy: str, variant: str, compression: float, records: list[dict]
         "generated_tokens_per_s": sum(record["output_tokens"] for record in records) / seconds,
         "tasks": count,
         "prompt_compression": mean("prompt_compression"),
+        **extra,
         "variant": variant,
         "seconds": seconds,
     }
@@ -222,9 +293,6 @@ def run(args: argparse.Namespace) -> int:
     import kvpress
 
     is_correct = answer_check(args.scoring)
-    tasks = load_tasks(args.tasks, args.limit)
-    runner = PressRunner(args.model, args.max_tokens)
-    prompts = [encode(runner.tokenizer, task["prompt"]) for task in tasks]
     names = [name.strip() for name in args.presses.split(",") if name.strip()]
     variants = [variant.strip() for variant in args.variants.split(",") if variant.strip()]
     compressions = [float(ratio) for ratio in args.compressions.split(",")]
@@ -232,27 +300,40 @@ def run(args: argparse.Namespace) -> int:
     if unknown or not all(0.0 < ratio < 1.0 for ratio in compressions):
         raise SystemExit(f"unknown presses/variants {unknown} (known: {', '.join(PRESSES)}; {', '.join(VARIANTS)}) "
                          f"or a compression outside (0, 1): {compressions}")
+    try:
+        tasks = load_tasks(args.tasks, args.limit, split="question" in variants)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+    runner = PressRunner(args.model, args.max_tokens)
+    prompts = [encode(runner.tokenizer, task["prompt"]) for task in tasks]
+    # +question: how many prompt tokens are context (split_prompt's ids are `prompts`' own).
+    context_lengths = [split_prompt(runner.tokenizer, task)[1] for task in tasks] if "question" in variants else []
 
     configs = [(None, "full", 0.0)] + [(name, variant, ratio) for name in names for variant in variants for ratio in compressions]
     progress = tqdm(total=len(configs) * len(tasks), unit="task", dynamic_ncols=True, file=sys.stderr)
     results, full_details, full_accuracy = [], [], 0.0
     for name, variant, ratio in configs:
-        policy = "kvpress:full" if name is None else f"kvpress:{name}" + ("+decoding" if variant == "decoding" else "")
+        policy = "kvpress:full" if name is None else policy_name(name, variant)
         progress.set_description(f"{policy} @ {ratio:.0%}")
         records, start = [], time.perf_counter()
-        for task, prompt_ids in zip(tasks, prompts):
+        for number, (task, prompt_ids) in enumerate(zip(tasks, prompts)):
             press, budget = (None, None) if name is None else build_press(kvpress, name, variant, ratio, len(prompt_ids), args.max_tokens)
-            generation = runner.generate(prompt_ids, press, budget)
+            context_tokens = context_lengths[number] if variant == "question" else None
+            generation = runner.generate(prompt_ids, press, budget, context_tokens)
             if budget is not None and generation.peak_cache > budget:
                 raise RuntimeError(f"{policy} @ {ratio}: held {generation.peak_cache} tokens over the budget {budget}")
             text = runner.tokenizer.decode(generation.output_ids, skip_special_tokens=True)
             records.append({
                 "correct": bool(is_correct(text, task["answer"])),
-                "compression": 1.0 - generation.final_cache / generation.tokens_seen,
-                "prompt_compression": 1.0 - generation.kept_after_prefill / generation.prompt_tokens,
+                **generation.compressions(),
                 "peak_cache": generation.peak_cache,
                 "output_tokens": len(generation.output_ids),
             })
+            if args.show:
+                tqdm.write(f"{policy} @ {ratio:.0%} task {task.get('index', number)}: {text!r} "
+                           f"(answer {task['answer']!r}, {generation.prompt_tokens} prompt tokens"
+                           + (f", {context_tokens} of them context, {generation.kept_context} kept" if context_tokens else "")
+                           + ")", file=sys.stderr)
             if name is None:
                 full_details.append({"index": task.get("index", len(full_details)), "answer": str(task["answer"]),
                                      "generated": text, "correct": records[-1]["correct"]})
@@ -267,8 +348,9 @@ def run(args: argparse.Namespace) -> int:
             if variant == "decoding":
                 row["decoding_interval"] = PRESSES[name].decoding_interval
             results.append(row)
+        context = f", context {row['context_compression']:.1%}" if "context_compression" in row else ""
         tqdm.write(f"{policy} @ {ratio:.0%}: accuracy {row['accuracy']:.3f}, "
-                   f"compression achieved {row['compression_achieved']:.1%} (prompt {row['prompt_compression']:.1%}), "
+                   f"compression achieved {row['compression_achieved']:.1%} (prompt {row['prompt_compression']:.1%}{context}), "
                    f"{row['seconds']:.0f} s", file=sys.stderr)
         write_report(args, tasks, results, full_accuracy, full_details, complete=False)  # a cut run keeps its rows
     progress.close()
@@ -301,9 +383,12 @@ def write_report(args: argparse.Namespace, tasks: list[dict], results: list[dict
         "full_accuracy_hf": full_accuracy,
         "definitions": {
             "compression": "the sweep's target r; for kvpress:NAME kvpress's compression_ratio on the prompt, "
-                           "for kvpress:NAME+decoding the engine's budget ceil((1-r)(prompt+max_tokens)) held throughout",
+                           "for kvpress:NAME+decoding the engine's budget ceil((1-r)(prompt+max_tokens)) held throughout, "
+                           "for kvpress:NAME+question kvpress's compression_ratio on the context alone (the question is fed after, whole)",
             "compression_achieved": "1 - cached tokens / tokens seen (prompt + generated tokens fed), at the end, as the engine reports",
-            "prompt_compression": "1 - prompt tokens kept after the prefill press / prompt tokens (kvpress's compression_ratio)",
+            "prompt_compression": "1 - prompt tokens kept after the prefill press / prompt tokens (kvpress's compression_ratio); "
+                                  "+question rows keep every question token: 1 - (kept context + question) / prompt",
+            "context_compression": "+question rows only: 1 - context tokens kept / context tokens (kvpress's ratio as reached)",
             "mean_budget": "mean over tasks of the largest cache length held between forward passes",
             "max_peak_kv_bytes": "that largest length x key+value bytes per token over all layers and KV heads (float32); "
                                  "the prefill itself briefly holds the whole prompt in the layer being pruned",
@@ -359,7 +444,9 @@ def merge(kvpress_json: Path, sweep_dir: Path) -> list[dict]:
     note = (
         f"\nkvpress {peer['kvpress_version']} rows (`benchmarks/kvpress_compare.py`, HF torch, greedy): `kvpress:NAME` prunes "
         "the given fraction of the prompt once after prefill and keeps every generated token; `kvpress:NAME+decoding` "
-        "holds the engine's budget for the same compression with PrefillDecodingPress + DecodingPress. "
+        "holds the engine's budget for the same compression with PrefillDecodingPress + DecodingPress; "
+        "`kvpress:NAME+question` prunes the given fraction of the context alone (kvpress's question-answering use) and "
+        "feeds the question after it, uncompressed. "
         f"Full cache: engine {engine_full:.3f}, HF torch {peer['full_accuracy_hf']:.3f}. "
         "Compression actually reached (1 - cached / tokens seen):\n\n"
         "| kvpress policy | " + " | ".join(f"{ratio:.0%}" for ratio in compressions if ratio) + " |\n"
@@ -386,12 +473,15 @@ def main(argv: list[str] | None = None) -> int:
     run_parser.add_argument("--tasks", type=Path, required=True, help="JSONL with 'prompt' and 'answer' per line")
     run_parser.add_argument("--out", type=Path, required=True, help="kvpress.json to write")
     run_parser.add_argument("--presses", default=",".join(PRESS_NAMES))
-    run_parser.add_argument("--variants", default=",".join(VARIANTS), help="prefill (kvpress native), decoding (engine budget)")
+    run_parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                            help="prefill (kvpress native), decoding (engine budget), question (the press sees the context "
+                                 "only, the question follows uncompressed; needs 'context' and 'question' per task)")
     run_parser.add_argument("--compressions", default=",".join(str(ratio) for ratio in COMPRESSIONS))
     run_parser.add_argument("--max-tokens", type=int, default=64, help="as kvpop.eval --max-tokens")
     run_parser.add_argument("--limit", type=int, default=None, help="first N tasks only")
     run_parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     run_parser.add_argument("--scoring", choices=["final_answer", "contains"], default="final_answer", help="as kvpop.eval --scoring")
+    run_parser.add_argument("--show", action="store_true", help="print every generated answer (smoke checks)")
     merge_parser = commands.add_parser("merge", help="add kvpress.json rows to a kvpop.eval sweep (in .venv)")
     merge_parser.add_argument("--kvpress", type=Path, required=True)
     merge_parser.add_argument("--sweep-dir", type=Path, required=True, help="folder with sweep.json from kvpop.eval --sweep")

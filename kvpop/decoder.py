@@ -29,17 +29,6 @@ class StepOutput:
     attention: np.ndarray | None = None  # (L, B, Hq, T, S): what the new queries put on the cached slots
     chunk_attention: np.ndarray | None = None  # (L, B, Hq, T, T): what they put on each other (causal)
 
-    def first_tokens(self, length: int) -> "StepOutput":
-        """The step as if only its first `length` new tokens had run (causal: they never saw the rest);
-        the logits stay as they are (a prompt chunk's are not read)."""
-        return StepOutput(
-            logits=self.logits,
-            new_key=self.new_key[:, :, :, :length],
-            new_value=self.new_value[:, :, :, :length],
-            attention=None if self.attention is None else self.attention[:, :, :, :length],
-            chunk_attention=None if self.chunk_attention is None else self.chunk_attention[:, :, :, :length, :length],
-        )
-
 
 def execution_providers(device: str, device_id: int = 0) -> list:
     """onnxruntime providers for "cpu" or "cuda" (falls back to the CPU when CUDA is missing)."""

@@ -30,7 +30,6 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvpop.cache import SlotCache
-from kvpop.cache.lookahead import ChunkQueries, chunk_queries, lookahead_scores, tail_inputs
 from kvpop.cache.manager import Allocation, CacheManager, PrefixCache
 from kvpop.decoder import DecoderStep, StepOutput
 from kvpop.policies import POLICIES, EvictionPolicy, TokenScorer, make_policy
@@ -53,10 +52,8 @@ class CacheConfig:
     Give `budget` (slots per head) or `compression` (0 <= r < 1; budget = ceil((1 - r) * (prompt
     tokens + max_tokens))), not both; `full` takes neither. `sinks`, `window` and `seed` reach the
     policies that have such a field (streaming: sinks; h2o: window; random: seed; kvpop: sinks,
-    window) and are clamped so that sinks + window fit in the budget. `scorer` and `lookahead` are the
-    kvpop policy's alone: every other policy ignores them (a service passes its kvpop options with
-    every request). `lookahead`: the prompt's last tokens score the prompt while it is prefilled
-    (kvpop.cache.lookahead); it needs a learned scorer.
+    window) and are clamped so that sinks + window fit in the budget. `scorer` is the kvpop policy's
+    alone: every other policy ignores it (a service passes its kvpop scorer with every request).
     """
 
     policy: str = "full"
@@ -66,7 +63,6 @@ class CacheConfig:
     window: int = 64
     seed: int = 0  # random policy
     scorer: str = "accumulated_attention"  # kvpop only: a built-in scorer or one of LEARNED_SCORER_KINDS
-    lookahead: int = 0  # kvpop only: prompt tail tokens run as extra queries with each prompt chunk; 0: off
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -82,8 +78,6 @@ class CacheConfig:
             raise ValueError(f"compression must be in [0, 1), got {self.compression!r}")
         if self.sinks < 0 or self.window < 0:
             raise ValueError(f"sinks and window must be >= 0, got sinks={self.sinks} window={self.window}")
-        if isinstance(self.lookahead, bool) or int(self.lookahead) != self.lookahead or self.lookahead < 0:
-            raise ValueError(f"lookahead must be a whole number of prompt tokens >= 0, got {self.lookahead!r}")
         if self.learned_scorer is None:
             self.build_policy()  # fails here, with the policy's own message, on bad options
 
@@ -109,12 +103,7 @@ class CacheConfig:
         if self.learned_scorer is not None:
             scorer = learned_scorer(self.learned_scorer, learned_scorers or {})
             window = getattr(scorer, "window", window)
-        return make_policy(self.policy, sinks=self.sinks, window=window, scorer=scorer, lookahead=self.lookahead)
-
-    @property
-    def prompt_lookahead(self) -> int:
-        """Tail tokens that score this request's prompt while it is prefilled (0: none)."""
-        return self.lookahead if self.policy == "kvpop" else 0
+        return make_policy(self.policy, sinks=self.sinks, window=window, scorer=scorer)
 
 
 @dataclass
@@ -368,10 +357,7 @@ class Engine:
         cache configuration whose prompt starts with it begin from a copy (`kvpop.cache.prefix_cache`
         says what that equals). A bounded policy keeps the longest part that fills whole prefill
         chunks, where a cold prefill stands at a chunk boundary too. Returns the tokens kept (0: not
-        one whole chunk, or prompt lookahead, whose state depends on each prompt's own end). Call it
-        before `step` runs (it uses the step thread's cache manager)."""
-        if cache.prompt_lookahead:
-            return 0
+        one whole chunk). Call it before `step` runs (it uses the step thread's cache manager)."""
         if cache.compression is not None:
             raise ValueError("a warm prefix needs a fixed budget: a compression ratio's budget depends on each request")
         budget = cache.resolve_budget(len(prompt_ids), 0)
@@ -401,23 +387,21 @@ class Engine:
         """Feed admitted prompts' chunks while they fit the step's token budget (at least one chunk).
 
         In rounds: each round takes the next chunk of every prompt, first come first served, that
-        still fits; chunks of a round with the same shape (length, and the prompt-tail queries they
-        carry: kvpop.cache.lookahead) run as one call. A prompt with small chunks (a small budget)
-        thus takes several of them in one step. A prompt whose last chunk went in samples its first
-        token."""
+        still fits; equal-length chunks of a round run as one call. A prompt with small chunks (a
+        small budget) thus takes several of them in one step. A prompt whose last chunk went in
+        samples its first token."""
         events, used = [], 0
         while self._prefilling:
-            chunks: dict[tuple[int, int], list[_Sequence]] = {}  # (length, tail queries) -> sequences (one call each)
+            chunks: dict[int, list[_Sequence]] = {}  # chunk length -> sequences (one batched call each)
             for sequence in self._prefilling.values():
                 length = min(sequence.chunk_size, sequence.prompt_left)
-                appended = self._chunk_queries(sequence, length).appended
-                if used and used + length + appended > self.max_step_tokens:
+                if used and used + length > self.max_step_tokens:
                     break
-                chunks.setdefault((length, appended), []).append(sequence)
-                used += length + appended
+                chunks.setdefault(length, []).append(sequence)
+                used += length
             if not chunks:
                 break
-            for (length, _), sequences in chunks.items():
+            for length, sequences in chunks.items():
                 out = self._run_chunk(sequences, length)
                 for row, sequence in enumerate(sequences):
                     sequence.prefilled += length
@@ -428,38 +412,16 @@ class Engine:
                         events.append(self._accept(sequence, sequence.pending_token))
         return events
 
-    @staticmethod
-    def _chunk_queries(sequence: _Sequence, length: int) -> ChunkQueries:
-        request = sequence.request
-        return chunk_queries(len(request.prompt_ids), request.cache.prompt_lookahead, sequence.prefilled, length)
-
     def _run_chunk(self, sequences: list[_Sequence], length: int) -> StepOutput:
-        """The next `length` prompt tokens of each sequence through one decoder call; caches updated.
-        Sequences with prompt lookahead also run their prompt's tail as queries (the same number for
-        every sequence of the call) and hand its scores to their caches."""
+        """The next `length` prompt tokens of each sequence through one decoder call; caches updated."""
         caches = [sequence.cache for sequence in sequences]
         starts = [sequence.prefilled for sequence in sequences]
-        queries = [self._chunk_queries(sequence, length) for sequence in sequences]
-        appended = queries[0].appended
         input_ids = np.array([sequence.request.prompt_ids[start : start + length] for sequence, start in zip(sequences, starts)], np.int64)
         positions = np.array([np.arange(start, start + length) for start in starts], np.int64)  # (B, T)
-        if appended:  # (B, T + n): the tail after the chunk, at its true positions
-            tails = [tail_inputs(sequence.request.prompt_ids, appended) for sequence in sequences]
-            input_ids = np.concatenate([input_ids, np.array([ids for ids, _ in tails], np.int64)], axis=1)
-            positions = np.concatenate([positions, np.stack([where for _, where in tails])], axis=1)
         past_key, past_value, slot_mask = self.cache_manager.prefill_inputs(caches)
-        lookahead = any(query.rows is not None for query in queries)
-        attention = lookahead or any(cache.policy.needs_attention for cache in caches)
+        attention = any(cache.policy.needs_attention for cache in caches)
         out = self.decoder.run(input_ids, positions, past_key, past_value, slot_mask, last_only=True, attention=attention)
-        scores = None
-        if lookahead:
-            group = self.decoder.spec.query_heads_per_kv_head
-            scores = [
-                None if query.rows is None
-                else lookahead_scores(out.attention[:, row], out.chunk_attention[:, row], query.rows, cache.capacity, length, group)
-                for row, (query, cache) in enumerate(zip(queries, caches))
-            ]
-        self.cache_manager.store(caches, out.first_tokens(length) if appended else out, scores)
+        self.cache_manager.store(caches, out)
         return out
 
     def _prefill(self, request: GenerationRequest) -> _Sequence:

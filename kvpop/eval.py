@@ -7,8 +7,6 @@ or a sweep of every policy over compression ratios (JSON + markdown table + accu
 A sweep entry is a policy name, or `kvpop:<scorer>` for the kvpop policy with one scorer; by default the
 sweep runs every policy (kvpop with its attention-based scorer) plus `kvpop:<kind>` for every learned
 scorer exported with the model (stateful `mlstm`, stateless `mlp`), so they are compared side by side.
-`kvpop:<scorer>+lookahead<N>` adds prompt lookahead: the prompt's last N tokens score it while it is
-prefilled (kvpop.cache.lookahead); `--lookahead N` does the same for a single run.
 
 Scoring: `final_answer` (default) is the project tasks' exact match of the word after "#";
 `contains` counts an answer found anywhere in the generated text (for arbitrary JSONL; a list answer
@@ -146,7 +144,9 @@ def sweep(
                 if run_full:
                     summary.append({**_summary_row(full, policy, 0.0), "note": "no eviction at 0%: the full cache"})
                 continue
-            config = sweep_config(policy, ratio, sinks, window)
+            name, _, scorer_name = policy.partition(":")
+            config = CacheConfig(policy=name, compression=ratio, sinks=sinks, window=window,
+                                 scorer=scorer_name or "accumulated_attention")
             report = evaluate(engine, tasks, config, max_tokens, scoring)
             summary.append(_summary_row(report, policy, ratio))
             save(False)
@@ -155,20 +155,6 @@ def sweep(
     if run_full:
         plot_sweep(summary, out_dir / "accuracy_vs_compression.png")
     return summary
-
-
-def sweep_config(entry: str, ratio: float, sinks: int, window: int) -> CacheConfig:
-    """The cache of a sweep entry: a policy, `kvpop:<scorer>`, or either with `+lookahead<N>` (prompt
-    lookahead of N tail tokens, kvpop.cache.lookahead), e.g. `kvpop:mlstm+lookahead32`."""
-    spec, _, option = entry.partition("+")
-    name, _, scorer_name = spec.partition(":")
-    lookahead = 0
-    if option:
-        if not option.startswith("lookahead") or not option[len("lookahead"):].isdigit():
-            raise ValueError(f"sweep entry {entry!r}: the only option is +lookahead<N>")
-        lookahead = int(option[len("lookahead"):])
-    return CacheConfig(policy=name, compression=ratio, sinks=sinks, window=window,
-                       scorer=scorer_name or "accumulated_attention", lookahead=lookahead)
 
 
 def merge_sweeps(sweep_dirs: list[Path], out_dir: Path) -> list[dict]:
@@ -332,7 +318,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=Path, help="sweep output folder")
     parser.add_argument("--policies", help="sweep: comma-separated policies or kvpop:<scorer> (default: all)")
     parser.add_argument("--scorer", default="accumulated_attention", help="single run, kvpop policy: its scorer")
-    parser.add_argument("--lookahead", type=int, default=0, help="single run, kvpop policy: prompt tail tokens that score the prompt")
     parser.add_argument("--compressions", default=",".join(str(r) for r in SWEEP_COMPRESSIONS))
     parser.add_argument("--skip-full", action="store_true", help="sweep: do not run the full cache (rows for --merge)")
     parser.add_argument("--merge", type=Path, nargs="+", help="merge these sweep folders (same tasks) into --out-dir; runs nothing")
@@ -354,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--sweep needs --out-dir")
         default = [*POLICIES, *(f"kvpop:{kind}" for kind in engine.learned_scorers)]
         policies = [name.strip() for name in args.policies.split(",") if name.strip()] if args.policies else default
-        unknown = [name for name in policies if name.partition("+")[0].partition(":")[0] not in POLICIES]
+        unknown = [name for name in policies if name.partition(":")[0] not in POLICIES]
         if unknown:
             parser.error(f"unknown policies {unknown}; registered: {', '.join(POLICIES)}")
         compressions = tuple(float(ratio) for ratio in args.compressions.split(","))
@@ -366,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("a single run needs --out")
     try:
         config = CacheConfig(policy=args.policy, budget=args.budget, compression=args.compression, sinks=args.sinks,
-                             window=args.window, scorer=args.scorer, lookahead=args.lookahead)
+                             window=args.window, scorer=args.scorer)
     except ValueError as error:
         parser.error(str(error))
     report = evaluate(engine, tasks, config, args.max_tokens, args.scoring)

@@ -19,8 +19,6 @@ def batch(tag: str) -> list[GenerationRequest]:
         CacheConfig(policy="kvpop", budget=20, sinks=1, scorer="mlstm"),
         CacheConfig(policy="kvpop", budget=12, sinks=2, scorer="mlp"),
         CacheConfig(policy="kvpop", budget=16, sinks=3, scorer="mlp"),
-        CacheConfig(policy="kvpop", budget=12, sinks=2, scorer="mlstm", lookahead=6),  # prompt lookahead
-        CacheConfig(policy="kvpop", budget=16, sinks=2, scorer="mlp", lookahead=6),
         CacheConfig(policy="h2o", budget=12, sinks=2, window=4),
         CacheConfig(policy="full"),
     ]

@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING, Hashable
 
 import numpy as np
 
-from kvpop.cache.lookahead import FLOOR
-from kvpop.policies.kvpop import LOOKAHEAD, SCORE, KVpopPolicy
+from kvpop.policies.kvpop import SCORE, KVpopPolicy
 
 if TYPE_CHECKING:
     from kvpop.cache.pool import BatchSlotPool
@@ -36,7 +35,7 @@ def batch_group(cache: "SlotCache") -> Hashable | None:
     if cache.capacity != cache.budget or not policy.decodes_in_batch(cache):
         return None
     sinks, window = policy.protected_counts(cache.budget)
-    return (id(policy.token_scorer), sinks, window, cache.capacity, policy.lookahead > 0)
+    return (id(policy.token_scorer), sinks, window, cache.capacity)
 
 
 def append_decode_batch(
@@ -83,11 +82,9 @@ def _append_group(
     leaving_key = pool.key[layer, pool_row, head, leaving]  # (B, L, Hkv, D)
     leaving_value = pool.value[layer, pool_row, head, leaving]
     states = [cache.policy_state for cache in caches]
-    learned = policy.token_scorer.score_decode_batch(states, token_key, token_value, leaving_key, leaving_value)  # (B, L, Hkv)
-    lookahead = np.stack([cache.statistics[LOOKAHEAD] for cache in caches]) if policy.lookahead else None  # (B, L, Hkv, C)
-    if lookahead is not None:  # a prompt token leaving now keeps the better of its two scores (as KVpopPolicy.observe)
-        learned = np.maximum(learned, lookahead[batch, layer, head, leaving])
-    score[batch, layer, head, leaving] = learned
+    score[batch, layer, head, leaving] = policy.token_scorer.score_decode_batch(
+        states, token_key, token_value, leaving_key, leaving_value
+    )
     # Each head drops its lowest-priority unprotected slot (the new token is in the window: kept).
     protected = (position < sinks) | (position >= seen + 1 - window)
     dropped = np.where(protected, np.inf, score).argmin(axis=3)  # (B, L, Hkv) slot
@@ -95,12 +92,8 @@ def _append_group(
     pool.value[layer, pool_row, head, dropped] = token_value
     position[batch, layer, head, dropped] = seen[..., 0]
     score[batch, layer, head, dropped] = 0.0  # a new token's score until it leaves the window
-    if lookahead is not None:
-        lookahead[batch, layer, head, dropped] = FLOOR  # a generated token: no tail query saw it
     every_head = np.broadcast_to(layer[0], (num_layers, num_kv_heads)), np.broadcast_to(head[0], (num_layers, num_kv_heads))
     for row, cache in enumerate(caches):
         cache.position, cache.statistics[SCORE] = position[row], score[row]
-        if lookahead is not None:
-            cache.statistics[LOOKAHEAD] = lookahead[row]
         cache.tokens_seen += 1
         cache.record_write((*every_head, dropped[row]))

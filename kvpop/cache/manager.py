@@ -82,12 +82,11 @@ def slots_needed(config: "CacheConfig", prompt_tokens: int, max_tokens: int) -> 
     return round_up_slots(reserved_slots(config.resolve_budget(prompt_tokens, max_tokens), prompt_tokens, max_tokens))
 
 
-def append_output(cache: SlotCache, out: "StepOutput", row: int, lookahead: np.ndarray | None = None) -> None:
-    """Append row `row` of a decoder step's new tokens (and the attention its policy reads) to `cache`;
-    `lookahead`: that row's prompt-tail scores (L, Hkv, C + T), when the chunk ran tail queries."""
+def append_output(cache: SlotCache, out: "StepOutput", row: int) -> None:
+    """Append row `row` of a decoder step's new tokens (and the attention its policy reads) to `cache`."""
     attention = None if out.attention is None else out.attention[:, row]
     chunk_attention = None if out.chunk_attention is None else out.chunk_attention[:, row]
-    cache.append(out.new_key[:, row], out.new_value[:, row], attention, chunk_attention, lookahead)
+    cache.append(out.new_key[:, row], out.new_value[:, row], attention, chunk_attention)
 
 
 class CacheManager:
@@ -174,11 +173,10 @@ class CacheManager:
         return key, value, slot_mask
 
     @staticmethod
-    def store(caches: list[SlotCache], out: "StepOutput", lookahead: "list[np.ndarray | None] | None" = None) -> None:
-        """Append each row of a decoder step to its cache (row r belongs to caches[r]), with row r's
-        lookahead scores `lookahead[r]` when the prompt chunk ran tail queries."""
+    def store(caches: list[SlotCache], out: "StepOutput") -> None:
+        """Append each row of a decoder step to its cache (row r belongs to caches[r])."""
         for row, cache in enumerate(caches):
-            append_output(cache, out, row, None if lookahead is None else lookahead[row])
+            append_output(cache, out, row)
 
     def store_decode(self, caches: list[SlotCache], out: "StepOutput") -> None:
         """A decode step's new tokens (caches bound by `decode_inputs`, in its order): full kvpop caches

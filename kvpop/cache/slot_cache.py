@@ -49,8 +49,6 @@ class CacheUpdate:
     # None when the step returned no attention (policies with needs_attention False never read it)
     attention: np.ndarray | None  # (L, Hkv, G, T, C): new queries on the cache's C slots (grouped by KV head)
     chunk_attention: np.ndarray | None  # (L, Hkv, G, T, T): new queries on the new tokens (causal)
-    # A prompt chunk's lookahead score of the C cached slots then the T new tokens (kvpop.cache.lookahead)
-    lookahead: np.ndarray | None = None  # (L, Hkv, C + T), log attention; None: the step had no tail queries
 
     @property
     def num_tokens(self) -> int:
@@ -175,7 +173,6 @@ class SlotCache:
         value: np.ndarray,  # (L, Hkv, T, D)
         attention: np.ndarray | None,  # (L, Hq, T, S) with S >= C; slots beyond C are padding
         chunk_attention: np.ndarray | None,  # (L, Hq, T, T)
-        lookahead: np.ndarray | None = None,  # (L, Hkv, C + T): the prompt tail's scores (kvpop.cache.lookahead)
     ) -> None:
         """Store T new tokens, evicting per head with the policy when the budget is exceeded."""
         num_layers, num_kv_heads, new_tokens, _ = key.shape
@@ -191,7 +188,6 @@ class SlotCache:
             else attention[..., :capacity].reshape(num_layers, num_kv_heads, group, new_tokens, capacity),
             chunk_attention=None if chunk_attention is None
             else chunk_attention.reshape(num_layers, num_kv_heads, group, new_tokens, new_tokens),
-            lookahead=lookahead,
         )
         decided: StatisticsUpdate = self.policy.observe(self, update)
         for name, values in decided.cached.items():  # (L, Hkv, C): the policy's arrays, taken over

@@ -5,11 +5,6 @@ LEAVES the window (so the scorer has seen w tokens of its future); its score is 
 leaving token competes with the kept long-range tokens and the lowest is evicted. Ranking all
 non-protected candidates by their fixed scores and keeping the top is exactly that rule, applied to
 every token that left during the append. The scorer is pluggable (see scorers.py).
-
-Prompt lookahead (`lookahead` > 0, kvpop.cache.lookahead): while the prompt is prefilled, the prompt's
-last tokens score every token by the attention they give it. A token outside the window is then kept
-by the larger of its learned score and its lookahead score (both are log future attention), so what the
-question asks for is kept even where the learned scorer alone would let it go.
 """
 
 from __future__ import annotations
@@ -18,12 +13,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvpop.cache.lookahead import FLOOR
 from kvpop.policies.base import EvictionPolicy, StatisticsUpdate
 from kvpop.policies.scorers import LeavingTokens, TokenScorer, make_scorer
 
-SCORE = "kvpop_score"  # the keep priority of a token outside the window (fixed when it left, raised by lookahead)
-LOOKAHEAD = "kvpop_lookahead"  # the most attention the prompt's tail gave the token (log); FLOOR if none
+SCORE = "kvpop_score"
 
 
 @dataclass
@@ -34,20 +27,12 @@ class KVpopPolicy(EvictionPolicy):
     sinks: int = 4
     window: int = 64
     scorer: "str | TokenScorer" = "accumulated_attention"
-    lookahead: int = 0  # prompt tail tokens that score the prompt as it is prefilled; 0: off
     _scorer: TokenScorer = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.sinks < 0 or self.window < 0:
             raise ValueError(f"kvpop: sinks and window must be >= 0, got sinks={self.sinks} window={self.window}")
-        if isinstance(self.lookahead, bool) or int(self.lookahead) != self.lookahead or self.lookahead < 0:
-            raise ValueError(f"kvpop: lookahead must be a whole number of prompt tokens >= 0, got {self.lookahead!r}")
         self._scorer = make_scorer(self.scorer)
-        if self.lookahead and not self._scorer.log_attention_scores:
-            raise ValueError(
-                f"kvpop: lookahead compares log future attention with the scorer's scores; scorer {self._scorer.name!r} "
-                "scores on another scale (use a learned scorer)"
-            )
 
     @property
     def needs_attention(self) -> bool:
@@ -69,39 +54,12 @@ class KVpopPolicy(EvictionPolicy):
 
     @property
     def statistics(self) -> tuple[str, ...]:
-        return (SCORE, *self._scorer.statistics, *((LOOKAHEAD,) if self.lookahead else ()))
+        return (SCORE, *self._scorer.statistics)
 
     def init_state(self):
         return self._scorer.init_state()  # the scorer's per-sequence state is the policy's
 
     def observe(self, cache, update) -> StatisticsUpdate:
-        decided = self._observe_scorer(cache, update)
-        return self._with_lookahead(cache, update, decided) if self.lookahead else decided
-
-    def _with_lookahead(self, cache, update, decided: StatisticsUpdate) -> StatisticsUpdate:
-        """Take in the tail's scores (if this append has them); every token outside the window after
-        this append is kept by max(its score, its lookahead score)."""
-        capacity = cache.capacity
-        if update.lookahead is None:
-            cached_lookahead = cache.statistics[LOOKAHEAD]
-            new_lookahead = np.full(decided.new[SCORE].shape, FLOOR, np.float32)  # (L, Hkv, T)
-        else:
-            cached_lookahead = np.maximum(cache.statistics[LOOKAHEAD], update.lookahead[..., :capacity])  # (L, Hkv, C)
-            new_lookahead = np.ascontiguousarray(update.lookahead[..., capacity:], dtype=np.float32)  # (L, Hkv, T)
-        sinks, window = self.protected_counts(cache.budget)
-        outside_from, outside_to = sinks, cache.tokens_seen + update.num_tokens - window  # positions [from, to)
-        cached_outside = (cache.position >= outside_from) & (cache.position < outside_to)  # (L, Hkv, C)
-        new_outside = (update.positions >= outside_from) & (update.positions < outside_to)  # (T,)
-        cached_score = decided.cached.get(SCORE, cache.statistics[SCORE])
-        cached_score = np.where(cached_outside, np.maximum(cached_score, cached_lookahead), cached_score)
-        new_score = np.where(new_outside, np.maximum(decided.new[SCORE], new_lookahead), decided.new[SCORE])
-        return StatisticsUpdate(
-            {**decided.new, SCORE: new_score.astype(np.float32), LOOKAHEAD: new_lookahead},
-            {**decided.cached, SCORE: cached_score.astype(np.float32), LOOKAHEAD: cached_lookahead.copy()},
-        )
-
-    def _observe_scorer(self, cache, update) -> StatisticsUpdate:
-        """The learned (or stand-in) scores of the tokens leaving the window in this append."""
         scorer_update = self._scorer.observe(cache, cache.policy_state, update)
         new_statistics = {**scorer_update.new, SCORE: np.zeros_like(update.key[..., 0], dtype=np.float32)}  # (L, Hkv, T)
         sinks, window = self.protected_counts(cache.budget)

@@ -36,7 +36,6 @@ class TokenScorer(ABC):
     name: ClassVar[str]
     statistics: ClassVar[tuple[str, ...]] = ()  # per-slot statistics the cache keeps for this scorer
     needs_attention: ClassVar[bool] = False  # reads the attention the decoder step returns
-    log_attention_scores: ClassVar[bool] = False  # scores are log future attention (prompt lookahead compares them)
 
     def init_state(self) -> Any:
         """Per-sequence state (e.g. recurrent memory per head); the kvpop policy's state in the cache."""

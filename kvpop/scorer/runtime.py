@@ -156,7 +156,6 @@ class LearnedScorer(TokenScorer):
 
     name = "learned"
     ATTENTION = "relative_window_attention"
-    log_attention_scores = True  # trained on log future attention (kvpop_train/scorer/targets.py)
 
     def __init__(self, runtime: ScorerRuntime) -> None:
         self.runtime = runtime

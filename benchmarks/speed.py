@@ -135,7 +135,7 @@ def prefill_snapshots(decoder: DecoderStep, cache: CacheConfig, prompt: list[int
     for start in range(0, len(tokens), chunk_size):
         chunk = tokens[start : start + chunk_size]
         positions = np.arange(start, start + len(chunk), dtype=np.int64)
-        out = decoder.run(  # the graph Engine._run_chunk runs: last position's logits, attention only if read
+        out = decoder.run(  # the graph Engine._run_piece runs: last position's logits, attention only if read
             chunk[None], positions[None], slot_cache.key[:, None], slot_cache.value[:, None], slot_cache.slot_mask()[None],
             last_only=True, attention=slot_cache.policy.needs_attention,
         )

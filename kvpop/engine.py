@@ -2,12 +2,14 @@
 
 Every `step` (one driving thread): apply cancellations, admit waiting requests up to
 `max_batch_size`, run ONE batched decode step over every sequence whose prompt is in, then feed
-prompt chunks of the admitted ones under a per-step token budget (`max_step_tokens`), as vLLM's
-scheduler interleaves chunked prefill with decode: a long new prompt no longer stalls the running
-streams for its whole prefill, only for one chunk per step. Chunks of several prompts that have the
-same length run as one batched call. A prompt's chunk size is fixed by the request alone
-(`prefill_chunk`, at most max(budget, `min_bounded_chunk`), evicting between chunks so peak memory
-stays bounded by budget + chunk), so outputs never depend on what else is running. Sequences of
+prompt work of the admitted ones under a per-step token budget (`max_step_tokens`, or paced to the
+measured decode step: kvpop.prefill_pacer), as vLLM's scheduler interleaves chunked prefill with
+decode: a long new prompt no longer stalls the running streams for its whole prefill, only for one
+step's share of it. Pieces of several prompts that have the same length run as one batched call. A
+prompt's chunk size is fixed by the request alone (`prefill_chunk`, at most max(budget,
+`min_bounded_chunk`), evicting between chunks so peak memory stays bounded by budget + chunk); a chunk
+computed in pieces over several steps enters its cache once, whole (kvpop.cache.staged_chunk), so
+outputs never depend on what else is running. Sequences of
 different lengths and budgets share the decode step through the batch pool (padded slots are
 masked); full kvpop caches append their decode tokens in vectorised groups (kvpop.cache.decode_batch).
 The decoder step returns last-position logits only, and attention only when a policy in the call
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +34,9 @@ import numpy as np
 
 from kvpop.cache import SlotCache
 from kvpop.cache.manager import Allocation, CacheManager, PrefixCache
+from kvpop.cache.staged_chunk import StagedChunk
 from kvpop.decoder import DecoderStep, StepOutput
+from kvpop.prefill_pacer import PrefillPacer
 from kvpop.policies import POLICIES, EvictionPolicy, TokenScorer, make_policy
 from kvpop.sampling import Sampler, SamplingParams
 from kvpop.scorer import LEARNED_SCORER_KINDS, learned_scorer
@@ -159,8 +164,10 @@ class _Sequence:
     pending_token: int = NO_TOKEN  # sampled, not yet fed to the model
     finish_reason: str | None = None
     matched_stop: str | None = None
-    prefilled: int = 0  # prompt tokens fed to the model so far
-    chunk_size: int = 1  # prompt tokens per prefill call
+    prefilled: int = 0  # prompt tokens run through the model so far (in the cache, or staged)
+    chunk_size: int = 1  # prompt tokens per prefill chunk (what enters the cache at once)
+    staged: StagedChunk | None = None  # the current chunk's pieces computed so far, not yet in the cache
+    chunk_end: int = 0  # where the current chunk ends in the prompt (while `staged`)
 
     @property
     def cache(self) -> SlotCache:
@@ -169,6 +176,11 @@ class _Sequence:
     @property
     def prompt_left(self) -> int:
         return len(self.request.prompt_ids) - self.prefilled
+
+    @property
+    def chunk_left(self) -> int:
+        """Prompt tokens left in the current chunk (a chunk begins as min(chunk_size, prompt left))."""
+        return min(self.chunk_size, self.prompt_left) if self.staged is None else self.chunk_end - self.prefilled
 
 
 def load_learned_scorers(model_dir: Path) -> dict[str, TokenScorer]:
@@ -190,11 +202,15 @@ class Engine:
         sessions: SessionStore | None = None,
         prefixes: PrefixCache | None = None,
         min_bounded_chunk: int = 1,
+        prefill_pacing: float | None = None,
     ) -> None:
         """`max_step_tokens`: prompt tokens fed per step (at least one chunk; default one
         `prefill_chunk`): the longest a running stream waits for prefill work between two tokens.
         `min_bounded_chunk`: a bounded cache's prompt chunks hold max(budget, this) tokens (at most
         `prefill_chunk`), so a small budget does not prefill a prompt in many small calls.
+        `prefill_pacing`: while streams decode, size each step's prompt work to about this many decode
+        steps' time, measured as the engine runs (kvpop.prefill_pacer; `max_step_tokens` stays the
+        ceiling); None: the token budget alone.
         `sessions` and `prefixes` outlive an engine (a service restarts its engine after a failure)."""
         max_step_tokens = prefill_chunk if max_step_tokens is None else max_step_tokens
         if max_batch_size < 1 or prefill_chunk < 1 or max_step_tokens < 1 or min_bounded_chunk < 1:
@@ -209,6 +225,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.min_bounded_chunk = min_bounded_chunk
         self.max_step_tokens = max_step_tokens
+        self.pacer = PrefillPacer(prefill_pacing) if prefill_pacing else None
         self.learned_scorers = learned_scorers or {}  # kind -> scorer shared by this engine's sequences
         self.cache_manager = CacheManager(self.spec, decoder.device_store, sessions, self.learned_scorers, prefixes)
         self._lock = threading.Lock()  # guards _waiting, _cancelled, _finished, _request_ids
@@ -384,44 +401,63 @@ class Engine:
         self.cache_manager.save_session(request.session_id, cache, history, request.cache)
 
     def _prefill_step(self) -> list[TokenEvent]:
-        """Feed admitted prompts' chunks while they fit the step's token budget (at least one chunk).
+        """Feed admitted prompts under the step's token budget: `max_step_tokens` while streams decode
+        (the longest a running stream waits for prompt work between two of its tokens), and at least
+        one whole `prefill_chunk` when none does.
 
-        In rounds: each round takes the next chunk of every prompt, first come first served, that
-        still fits; equal-length chunks of a round run as one call. A prompt with small chunks (a
-        small budget) thus takes several of them in one step. A prompt whose last chunk went in
-        samples its first token."""
-        events, used = [], 0
-        while self._prefilling:
-            chunks: dict[int, list[_Sequence]] = {}  # chunk length -> sequences (one batched call each)
+        In rounds: each round takes, first come first served, the next piece of every prompt: the rest
+        of its current chunk, cut to what is left of the budget. A chunk cut in pieces still enters its
+        cache once, whole (kvpop.cache.staged_chunk), so answers do not depend on the load. Pieces of
+        equal length run as one call. A prompt whose last chunk went in samples its first token."""
+        decoding = bool(self._running)
+        if not decoding:
+            budget = max(self.max_step_tokens, self.prefill_chunk)
+        else:
+            budget = self.max_step_tokens if self.pacer is None else self.pacer.step_tokens(self.max_step_tokens)
+        events, used, started = [], 0, time.perf_counter()
+        while self._prefilling and used < budget:
+            pieces: dict[int, list[_Sequence]] = {}  # piece length -> sequences (one batched call each)
             for sequence in self._prefilling.values():
-                length = min(sequence.chunk_size, sequence.prompt_left)
-                if used and used + length > self.max_step_tokens:
+                length = min(sequence.chunk_left, budget - used)
+                if length <= 0:
                     break
-                chunks.setdefault(length, []).append(sequence)
+                pieces.setdefault(length, []).append(sequence)
                 used += length
-            if not chunks:
-                break
-            for length, sequences in chunks.items():
-                out = self._run_chunk(sequences, length)
+            for length, sequences in pieces.items():
+                out = self._run_piece(sequences, length)
                 for row, sequence in enumerate(sequences):
-                    sequence.prefilled += length
                     if sequence.prompt_left == 0:
                         sequence.pending_token = sequence.sampler(out.logits[row, -1])
                         del self._prefilling[sequence.request.request_id]
                         self._running[sequence.request.request_id] = sequence
                         events.append(self._accept(sequence, sequence.pending_token))
+        if self.pacer is not None and decoding and used:
+            self.pacer.observe_prefill(time.perf_counter() - started, used)
         return events
 
-    def _run_chunk(self, sequences: list[_Sequence], length: int) -> StepOutput:
-        """The next `length` prompt tokens of each sequence through one decoder call; caches updated."""
+    def _run_piece(self, sequences: list[_Sequence], length: int) -> StepOutput:
+        """The next `length` prompt tokens of each sequence (at most the rest of its current chunk)
+        through one decoder call, after its cache and its chunk's staged pieces. A sequence whose chunk
+        this completes has it appended to its cache; otherwise the piece is staged."""
         caches = [sequence.cache for sequence in sequences]
         starts = [sequence.prefilled for sequence in sequences]
         input_ids = np.array([sequence.request.prompt_ids[start : start + length] for sequence, start in zip(sequences, starts)], np.int64)
         positions = np.array([np.arange(start, start + length) for start in starts], np.int64)  # (B, T)
-        past_key, past_value, slot_mask = self.cache_manager.prefill_inputs(caches)
+        staged = [sequence.staged for sequence in sequences]
+        complete = [length == sequence.chunk_left for sequence in sequences]
+        for sequence, done in zip(sequences, complete):
+            if sequence.staged is None and not done:  # a chunk begins in pieces
+                sequence.chunk_end = sequence.prefilled + sequence.chunk_left
+        past_key, past_value, slot_mask = self.cache_manager.prefill_inputs(caches, staged)
         attention = any(cache.policy.needs_attention for cache in caches)
         out = self.decoder.run(input_ids, positions, past_key, past_value, slot_mask, last_only=True, attention=attention)
-        self.cache_manager.store(caches, out)
+        if all(piece is None for piece in staged) and all(complete):
+            self.cache_manager.store(caches, out)
+        else:
+            for sequence, piece in zip(sequences, self.cache_manager.store_pieces(caches, staged, complete, out)):
+                sequence.staged = piece
+        for sequence in sequences:
+            sequence.prefilled += length
         return out
 
     def _prefill(self, request: GenerationRequest) -> _Sequence:
@@ -434,12 +470,11 @@ class Engine:
     def _feed_prompt(self, sequence: _Sequence) -> StepOutput:
         """The rest of one sequence's prompt, alone, chunk by chunk; the last chunk's output."""
         while sequence.prompt_left:
-            length = min(sequence.chunk_size, sequence.prompt_left)
-            out = self._run_chunk([sequence], length)
-            sequence.prefilled += length
+            out = self._run_piece([sequence], sequence.chunk_left)
         return out
 
     def _decode(self, sequences: list[_Sequence]) -> list[TokenEvent]:
+        started = time.perf_counter()
         caches = [sequence.cache for sequence in sequences]
         past_key, past_value, slot_mask = self.cache_manager.decode_inputs(caches)  # the pool's arrays, no copy
         input_ids = np.array([[sequence.pending_token] for sequence in sequences], dtype=np.int64)  # (B, 1)
@@ -447,6 +482,8 @@ class Engine:
         attention = any(cache.policy.needs_attention for cache in caches)
         out = self.decoder.run(input_ids, positions, past_key, past_value, slot_mask, last_only=True, attention=attention)
         self.cache_manager.store_decode(caches, out)
+        if self.pacer is not None:
+            self.pacer.observe_decode(time.perf_counter() - started)
         return [self._accept(sequence, sequence.sampler(out.logits[row, -1])) for row, sequence in enumerate(sequences)]
 
     def _accept(self, sequence: _Sequence, token: int) -> TokenEvent:

@@ -57,6 +57,48 @@ def test_long_prefill_interleaves_with_running_streams(decoder, policy):
         assert engine.result(r.request_id).output_ids == alone[r.request_id], r.request_id
 
 
+def prefilled_cache(engine: Engine, name: str):
+    """Step `engine` until request `name`'s prompt is in; its cache then."""
+    while name not in engine._running:
+        engine.step()
+    return engine._running[name].cache
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_a_chunk_cut_in_pieces_enters_the_cache_as_one(decoder, policy):
+    """A step budget (3 tokens) smaller than the chunk (8) while streams decode: the long prompt is
+    computed in pieces of at most 3 tokens per step, every running stream still gets a token at every
+    step, and the prompt's cache (what each head kept, its keys, the policy's statistics) and every
+    answer are those of whole chunks (kvpop.cache.staged_chunk)."""
+    whole = Engine(decoder, prefill_chunk=8)
+    whole.add_request(request("long", LONG_PROMPT, policy, 6))
+    expected = prefilled_cache(whole, "long")
+    streams = [request(f"s{i}", prompt, policy, 60) for i, prompt in enumerate(RUNNING_PROMPTS)]
+    engine = Engine(decoder, max_batch_size=4, prefill_chunk=8, max_step_tokens=3)
+    for stream in streams:
+        engine.add_request(stream)
+    engine.step()
+    engine.add_request(request("long", LONG_PROMPT, policy, 6))
+    fed = 0
+    while "long" not in engine._running:
+        running = set(engine._running)
+        got_token = {event.request_id for event in engine.step()}
+        sequence = engine._prefilling.get("long") or engine._running.get("long")
+        assert sequence.prefilled - fed <= 3 and running <= got_token
+        fed = sequence.prefilled
+    cache = engine._running["long"].cache
+    np.testing.assert_array_equal(cache.position, expected.position)
+    np.testing.assert_allclose(cache.key, expected.key, atol=1e-5)
+    assert cache.statistics.keys() == expected.statistics.keys()
+    for name, values in cache.statistics.items():
+        np.testing.assert_allclose(values, expected.statistics[name], atol=1e-5, err_msg=name)
+    while engine.has_unfinished() or whole.has_unfinished():
+        engine.step(), whole.step()
+    assert engine.result("long").output_ids == whole.result("long").output_ids
+    alone = Engine(decoder, prefill_chunk=8).generate([request("s0", RUNNING_PROMPTS[0], policy, 60)])[0]
+    assert engine.result("s0").output_ids == alone.output_ids
+
+
 @pytest.mark.parametrize("policy", ["full", "kvpop", "h2o", "streaming"])
 def test_prefill_chunks_of_several_prompts_are_batched(decoder, policy):
     """With room for several chunks per step, new prompts' chunks of equal length run as one call
@@ -115,9 +157,35 @@ def test_a_small_budget_prefills_in_chunks_of_at_least_the_floor(decoder, monkey
     bounded cache takes per call; the cache it keeps stays at its budget."""
     engine = Engine(decoder, prefill_chunk=256, min_bounded_chunk=floor)
     chunks = []
-    run_chunk = engine._run_chunk
-    monkeypatch.setattr(engine, "_run_chunk", lambda sequences, length: (chunks.append(length), run_chunk(sequences, length))[1])
+    run_chunk = engine._run_piece
+    monkeypatch.setattr(engine, "_run_piece", lambda sequences, length: (chunks.append(length), run_chunk(sequences, length))[1])
     result, = engine.generate([request("small", LONG_PROMPT, "streaming", max_tokens=4)])
     expected = [12] * 8 if floor == 1 else [32, 32, 32]  # 96 prompt tokens, budget 12
     assert chunks == expected
     assert result.budget == 12 and result.tokens_evicted == result.tokens_seen - 12
+
+
+@pytest.mark.parametrize("policy", ["full", "kvpop"])
+def test_paced_prefill_changes_when_tokens_arrive_not_which(decoder, policy):
+    """With prefill pacing (kvpop.prefill_pacer) the long prompt is fed in pieces sized from measured
+    step times while streams decode; every answer is still the one of that request alone."""
+    streams = [request(f"s{i}", prompt, policy, 40) for i, prompt in enumerate(RUNNING_PROMPTS)]
+    long = request("long", LONG_PROMPT, policy, 6)
+    alone = {r.request_id: Engine(decoder, prefill_chunk=8).generate([r])[0].output_ids for r in [*streams, long]}
+    engine = Engine(decoder, max_batch_size=4, prefill_chunk=32, prefill_pacing=1.0)
+    for stream in streams:
+        engine.add_request(stream)
+    engine.step()
+    engine.add_request(long)
+    fed = []
+    while "long" not in engine._running and engine.has_unfinished():
+        engine.step()
+        sequence = engine._prefilling.get("long") or engine._running.get("long")
+        fed.append(sequence.prefilled)
+    assert fed[0] == engine.pacer.min_tokens  # it starts small beside running streams
+    while engine.has_unfinished():
+        engine.step()
+    reference = Engine(decoder, prefill_chunk=32).generate([long])[0].output_ids
+    assert engine.result("long").output_ids == reference
+    for stream in streams:
+        assert engine.result(stream.request_id).output_ids == alone[stream.request_id]

@@ -45,6 +45,7 @@ from kvpop.cache.decode_batch import append_decode_batch
 from kvpop.cache.pool import BatchSlotPool
 from kvpop.cache.prefix_cache import PrefixCache
 from kvpop.cache.slot_cache import SlotCache, round_up_slots
+from kvpop.cache.staged_chunk import StagedChunk
 from kvpop.model_spec import ModelSpec
 from kvpop.sessions import SessionState, SessionStore, capture_state, restore_cache
 
@@ -148,18 +149,29 @@ class CacheManager:
 
     # -- what the decoder reads and what it returns -----------------------------------------------
 
-    def prefill_inputs(self, caches: list[SlotCache]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(past_key, past_value, slot_mask) for a prompt chunk of `caches`: (L, B, Hkv, S, D) twice, (B, S)."""
-        if len(caches) == 1:  # the cache's own arrays, no copy
+    def prefill_inputs(
+        self, caches: list[SlotCache], staged: "list[StagedChunk | None] | None" = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(past_key, past_value, slot_mask) for a prompt chunk (or piece) of `caches`: (L, B, Hkv, S, D)
+        twice, (B, S). `staged[r]`: row r's chunk computed so far, as valid slots after its cache's."""
+        extra = [0 if piece is None else piece.length for piece in staged] if staged else [0] * len(caches)
+        if len(caches) == 1 and not extra[0]:  # the cache's own arrays, no copy
             cache = caches[0]
             return cache.key[:, None], cache.value[:, None], cache.slot_mask()[None]
-        slots = max(cache.capacity for cache in caches)  # stacked and padded (padding is masked)
+        slots = max(cache.capacity + more for cache, more in zip(caches, extra))  # stacked and padded (padding is masked)
         shape = (self.spec.num_layers, len(caches), self.spec.num_kv_heads, slots, self.spec.head_dim)
         past_key, past_value, slot_mask = np.zeros(shape, self.dtype), np.zeros(shape, self.dtype), np.zeros((len(caches), slots), bool)
-        for row, cache in enumerate(caches):
+        for row, (cache, more) in enumerate(zip(caches, extra)):
             past_key[:, row, :, : cache.capacity] = cache.key
             past_value[:, row, :, : cache.capacity] = cache.value
             slot_mask[row, : cache.capacity] = cache.slot_mask()
+            if more:
+                piece = staged[row]
+                if piece.capacity != cache.capacity:
+                    raise RuntimeError("a cache changed while its prompt chunk was staged")
+                past_key[:, row, :, cache.capacity : cache.capacity + more] = piece.key
+                past_value[:, row, :, cache.capacity : cache.capacity + more] = piece.value
+                slot_mask[row, cache.capacity : cache.capacity + more] = True
         return past_key, past_value, slot_mask
 
     def decode_inputs(self, caches: list[SlotCache]) -> "tuple[np.ndarray | ort.OrtValue, np.ndarray | ort.OrtValue, np.ndarray]":
@@ -177,6 +189,32 @@ class CacheManager:
         """Append each row of a decoder step to its cache (row r belongs to caches[r])."""
         for row, cache in enumerate(caches):
             append_output(cache, out, row)
+
+    @staticmethod
+    def store_pieces(
+        caches: list[SlotCache], staged: "list[StagedChunk | None]", complete: list[bool], out: "StepOutput"
+    ) -> "list[StagedChunk | None]":
+        """Row r of a call over prompt pieces: staged after `staged[r]`, and appended to caches[r] with
+        the pieces before it when `complete[r]` (its chunk is whole). Each row's staged chunk after the
+        call (None: in its cache)."""
+        after = []
+        for row, (cache, piece, done) in enumerate(zip(caches, staged, complete)):
+            if piece is None and done:
+                append_output(cache, out, row)
+                after.append(None)
+                continue
+            key, value = out.new_key[:, row], out.new_value[:, row]  # (L, Hkv, t, D)
+            attention = None if out.attention is None else out.attention[:, row]  # (L, Hq, t, S)
+            chunk_attention = None if out.chunk_attention is None else out.chunk_attention[:, row]
+            if piece is None:
+                piece = StagedChunk.first(cache.capacity, key, value, attention, chunk_attention)
+            else:
+                piece.add(key, value, attention, chunk_attention)
+            if done:
+                cache.append(piece.key, piece.value, piece.attention, piece.chunk_attention)
+                piece = None
+            after.append(piece)
+        return after
 
     def store_decode(self, caches: list[SlotCache], out: "StepOutput") -> None:
         """A decode step's new tokens (caches bound by `decode_inputs`, in its order): full kvpop caches

@@ -81,6 +81,7 @@ class KVpopService:
             prefill_chunk=self.config.prefill_chunk_tokens,
             min_bounded_chunk=self.config.min_prefill_chunk_tokens,
             max_step_tokens=self.config.max_step_tokens or None,
+            prefill_pacing=self.config.prefill_pacing or None,
             learned_scorers=self.learned_scorers,
             sessions=self.sessions,
             prefixes=self.prefixes,

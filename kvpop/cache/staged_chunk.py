@@ -1,0 +1,67 @@
+"""A prompt chunk computed in pieces over several engine steps, entering its cache once, whole.
+
+Why: a running stream waits, between two of its tokens, for whatever prompt work shares the engine
+step. vLLM bounds that with a per-step token budget; a bounded cache cannot simply take smaller
+chunks, because a chunk is also where it evicts, so its answers would then depend on the load. Here a
+chunk keeps its size and its one eviction; only its compute is split. Each piece's queries see the
+cache (unchanged until the chunk is complete) plus the chunk's earlier pieces, which the decoder gets
+as extra past slots, so every query attends to exactly what it would in one call. The pieces' keys,
+values and attention rows are kept here; when the chunk is complete they are appended to the cache as
+the one-call chunk's would be (tests/test_prefill_pieces.py compares them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class StagedChunk:
+    """The computed first `length` tokens of one sequence's current prompt chunk."""
+
+    capacity: int  # C: the cache's slots when the chunk began (the cache does not change until it ends)
+    key: np.ndarray  # (L, Hkv, s, D), RoPE applied
+    value: np.ndarray  # (L, Hkv, s, D)
+    attention: np.ndarray | None  # (L, Hq, s, C): the pieces' queries on the cache's slots; None: no policy reads it
+    chunk_attention: np.ndarray | None  # (L, Hq, s, s): on the chunk's own tokens (causal)
+
+    @property
+    def length(self) -> int:
+        return self.key.shape[2]
+
+    @classmethod
+    def first(
+        cls,
+        capacity: int,
+        new_key: np.ndarray,  # (L, Hkv, t, D): the first piece
+        new_value: np.ndarray,
+        attention: np.ndarray | None,  # (L, Hq, t, S >= C)
+        chunk_attention: np.ndarray | None,  # (L, Hq, t, t)
+    ) -> "StagedChunk":
+        return cls(capacity, new_key.copy(), new_value.copy(),
+                   None if attention is None else attention[..., :capacity].copy(),
+                   None if chunk_attention is None else chunk_attention.copy())
+
+    def add(
+        self,
+        new_key: np.ndarray,  # (L, Hkv, t, D): the next piece
+        new_value: np.ndarray,
+        attention: np.ndarray | None,  # (L, Hq, t, S >= C + s): on the cache's C slots, then the s staged tokens
+        chunk_attention: np.ndarray | None,  # (L, Hq, t, t)
+    ) -> None:
+        """Take in the next piece, whose call had the staged tokens after the cache's slots."""
+        capacity, staged, piece = self.capacity, self.length, new_key.shape[2]
+        self.key = np.concatenate([self.key, new_key], axis=2)
+        self.value = np.concatenate([self.value, new_value], axis=2)
+        if self.attention is None or attention is None:  # a call without attention: no policy here reads it
+            self.attention = self.chunk_attention = None
+            return
+        self.attention = np.concatenate([self.attention, attention[..., :capacity]], axis=2)  # (L, Hq, s + t, C)
+        num_layers, num_query_heads = attention.shape[:2]
+        grown = np.zeros((num_layers, num_query_heads, staged + piece, staged + piece), np.float32)
+        grown[:, :, :staged, :staged] = self.chunk_attention  # earlier rows never see later tokens
+        grown[:, :, staged:, :staged] = attention[..., capacity : capacity + staged]
+        grown[:, :, staged:, staged:] = chunk_attention
+        self.chunk_attention = grown

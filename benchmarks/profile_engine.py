@@ -165,13 +165,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="JSON to write (a .md table is written beside it)")
     parser.add_argument("--prefill-chunk", type=int, default=256)
     parser.add_argument("--policies", nargs="+", default=["full", "kvpop"])
+    parser.add_argument("--prefill-pacing", type=float, default=0.0,
+                        help="the service's prefill_pacing (kvpop.prefill_pacer); 0: one chunk per step")
     args = parser.parse_args(argv)
 
     results: dict[str, dict] = defaultdict(dict)
     for policy in args.policies:
         engine = Engine(
             DecoderStep(args.model), max_batch_size=16, prefill_chunk=args.prefill_chunk,
-            learned_scorers=load_learned_scorers(args.model),
+            learned_scorers=load_learned_scorers(args.model), prefill_pacing=args.prefill_pacing or None,
         )
         instrument(engine)
         for label, arrivals in scenarios(engine.spec.vocab_size, policy).items():
@@ -181,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"model": str(args.model), "prefill_chunk": args.prefill_chunk, "results": results}, indent=2) + "\n")
+        args.out.write_text(json.dumps({"model": str(args.model), "prefill_chunk": args.prefill_chunk, "prefill_pacing": args.prefill_pacing, "results": results}, indent=2) + "\n")
         args.out.with_suffix(".md").write_text(text.lstrip() + "\n")
     return 0
 

@@ -444,7 +444,9 @@ class Engine:
         input_ids = np.array([sequence.request.prompt_ids[start : start + length] for sequence, start in zip(sequences, starts)], np.int64)
         positions = np.array([np.arange(start, start + length) for start in starts], np.int64)  # (B, T)
         staged = [sequence.staged for sequence in sequences]
-        complete = [length == sequence.chunk_left for sequence in sequences]
+        # A cache that evicts nothing (the full cache) takes a piece as it comes: appending it now is
+        # what appending the whole chunk later would do. A bounded one waits for its whole chunk.
+        complete = [length == sequence.chunk_left or not sequence.cache.policy.evicts for sequence in sequences]
         for sequence, done in zip(sequences, complete):
             if sequence.staged is None and not done:  # a chunk begins in pieces
                 sequence.chunk_end = sequence.prefilled + sequence.chunk_left

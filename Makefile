@@ -144,6 +144,8 @@ train-scorer: setup  ## train the KVpop scorers (mLSTM + MLP) for MODEL (default
 REAL_TASK_LENGTHS ?= 1024 2048 4096
 REAL_TASK_NUM ?= 40
 REAL_TASK_SPLIT ?= test
+REAL_TASK_FAMILIES ?= passkey,multikey,multivalue,vartrack,qa
+REAL_MAX_TOKENS ?= 32
 REAL_QUALITY_DIR ?= docs/quality/real
 
 eval-real: setup  ## English RULER-like tasks (REAL_TASK_NUM per length, REAL_TASK_LENGTHS) x every policy on the exported model: docs/quality/real/
@@ -151,9 +153,9 @@ eval-real: setup  ## English RULER-like tasks (REAL_TASK_NUM per length, REAL_TA
 	@for tokens in $(REAL_TASK_LENGTHS); do \
 		tasks=build/real-tasks/$(REAL_TASK_SPLIT)-$$tokens.jsonl; \
 		$(PY) -m benchmarks.english_tasks write --model $(or $(MODEL),$(REAL_MODEL)) --split $(REAL_TASK_SPLIT) \
-			--context-tokens $$tokens --num $(REAL_TASK_NUM) --out $$tasks && \
+			--context-tokens $$tokens --num $(REAL_TASK_NUM) --families $(REAL_TASK_FAMILIES) --out $$tasks && \
 		$(PY) -m kvpop.eval --model model_repository/kvpop_engine/1 --tasks $$tasks --sweep --scoring contains \
-			--max-tokens 64 --window $(REAL_KV_WINDOW) --out-dir $(REAL_QUALITY_DIR)/$$tokens || exit 1; \
+			--max-tokens $(REAL_MAX_TOKENS) --window $(REAL_KV_WINDOW) --out-dir $(REAL_QUALITY_DIR)/$$tokens || exit 1; \
 	done
 
 tasks: setup  ## write 200 reference tasks of TASK_SPLIT (default heldout) at TASK_TOKENS (default 2048) to build/tasks/

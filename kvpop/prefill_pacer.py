@@ -6,7 +6,8 @@ prompt tokens cost a tenth of a decode step on one and three decode steps on ano
 instead aims the prompt work of a step at `ratio` times the measured decode step, so the longest gap
 stays near (1 + ratio) times the usual one on any model and device. It is a feedback loop, not a cost
 model: after each step's prompt work it scales the next step's tokens by how far that work's time
-was from its target (square-rooted, so one noisy step moves it little). A chunk cut into pieces
+was from its target (square-rooted and at most 2x either way, so one noisy or short step moves it
+little). A chunk cut into pieces
 still enters its cache once (kvpop.cache.staged_chunk), so pacing changes when tokens arrive, never
 which tokens.
 """
@@ -39,7 +40,7 @@ class PrefillPacer:
         if self.decode_seconds is None or seconds <= 0 or tokens <= 0:
             return
         target = self.ratio * self.decode_seconds
-        self.tokens = tokens * math.sqrt(target / seconds)
+        self.tokens = tokens * min(max(math.sqrt(target / seconds), 0.5), 2.0)
 
     def step_tokens(self, ceiling: int) -> int:
         """Prompt tokens the next step may feed beside its decodes (at most `ceiling`)."""

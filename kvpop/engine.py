@@ -44,6 +44,7 @@ from kvpop.sessions import SessionStore, validate_session_id
 
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED = "stop", "length", "cancelled"
 NO_TOKEN = -1  # token_id of an event that carries no token (a cancellation)
+MIN_PIECE_TOKENS = 16  # a step's budget left over after other prompt work starts no smaller piece
 
 
 class Tokenizer(Protocol):
@@ -419,8 +420,8 @@ class Engine:
             pieces: dict[int, list[_Sequence]] = {}  # piece length -> sequences (one batched call each)
             for sequence in self._prefilling.values():
                 length = min(sequence.chunk_left, budget - used)
-                if length <= 0:
-                    break
+                if length <= 0 or used and length < min(sequence.chunk_left, MIN_PIECE_TOKENS):
+                    break  # no sliver of a chunk after other work: a call costs more than its tokens
                 pieces.setdefault(length, []).append(sequence)
                 used += length
             for length, sequences in pieces.items():

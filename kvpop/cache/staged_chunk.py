@@ -7,7 +7,7 @@ chunk keeps its size and its one eviction; only its compute is split. Each piece
 cache (unchanged until the chunk is complete) plus the chunk's earlier pieces, which the decoder gets
 as extra past slots, so every query attends to exactly what it would in one call. The pieces' keys,
 values and attention rows are kept here; when the chunk is complete they are appended to the cache as
-the one-call chunk's would be (tests/test_prefill_pieces.py compares them).
+the one-call chunk's would be (tests/test_scheduling.py compares them, for every policy).
 """
 
 from __future__ import annotations

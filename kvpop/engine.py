@@ -424,6 +424,8 @@ class Engine:
                     break  # no sliver of a chunk after other work: a call costs more than its tokens
                 pieces.setdefault(length, []).append(sequence)
                 used += length
+            if not pieces:  # what is left of the budget is too small to start any piece
+                break
             for length, sequences in pieces.items():
                 out = self._run_piece(sequences, length)
                 for row, sequence in enumerate(sequences):

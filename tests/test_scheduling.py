@@ -189,3 +189,21 @@ def test_paced_prefill_changes_when_tokens_arrive_not_which(decoder, policy):
     assert engine.result("long").output_ids == reference
     for stream in streams:
         assert engine.result(stream.request_id).output_ids == alone[stream.request_id]
+
+
+def test_a_step_ends_when_its_leftover_budget_is_too_small_for_a_piece(decoder):
+    """Two bounded prompts of 12-token chunks under a 20-token step budget: after one chunk the 8 tokens
+    left start no piece (MIN_PIECE_TOKENS), and the step ends instead of looking for one forever."""
+    import threading
+
+    engine = Engine(decoder, max_batch_size=4, prefill_chunk=256, max_step_tokens=20)
+    engine.add_request(request("stream", RUNNING_PROMPTS[0], "streaming", 40))
+    engine.step()  # decoding: the step budget is max_step_tokens
+    batch = [request(f"b{i}", LONG_PROMPT[: 40 + i], "streaming", 4) for i in range(2)]
+    done = []
+    worker = threading.Thread(target=lambda: done.append(engine.generate(batch)), daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert done, "an engine step did not return"
+    alone = [Engine(decoder).generate([r])[0].output_ids for r in batch]
+    assert [r.output_ids for r in done[0]] == alone

@@ -168,7 +168,6 @@ class _Sequence:
     prefilled: int = 0  # prompt tokens run through the model so far (in the cache, or staged)
     chunk_size: int = 1  # prompt tokens per prefill chunk (what enters the cache at once)
     staged: StagedChunk | None = None  # the current chunk's pieces computed so far, not yet in the cache
-    chunk_end: int = 0  # where the current chunk ends in the prompt (while `staged`)
 
     @property
     def cache(self) -> SlotCache:
@@ -181,7 +180,8 @@ class _Sequence:
     @property
     def chunk_left(self) -> int:
         """Prompt tokens left in the current chunk (a chunk begins as min(chunk_size, prompt left))."""
-        return min(self.chunk_size, self.prompt_left) if self.staged is None else self.chunk_end - self.prefilled
+        staged = 0 if self.staged is None else self.staged.length
+        return min(self.chunk_size, self.prompt_left + staged) - staged
 
 
 def load_learned_scorers(model_dir: Path) -> dict[str, TokenScorer]:
@@ -205,8 +205,9 @@ class Engine:
         min_bounded_chunk: int = 1,
         prefill_pacing: float | None = None,
     ) -> None:
-        """`max_step_tokens`: prompt tokens fed per step (at least one chunk; default one
-        `prefill_chunk`): the longest a running stream waits for prefill work between two tokens.
+        """`max_step_tokens`: prompt tokens fed per step while streams decode (default one
+        `prefill_chunk`; a chunk longer than what is left is computed in pieces over several steps):
+        the longest a running stream waits for prefill work between two tokens.
         `min_bounded_chunk`: a bounded cache's prompt chunks hold max(budget, this) tokens (at most
         `prefill_chunk`), so a small budget does not prefill a prompt in many small calls.
         `prefill_pacing`: while streams decode, size each step's prompt work to about this many decode
@@ -450,18 +451,11 @@ class Engine:
         # A cache that evicts nothing (the full cache) takes a piece as it comes: appending it now is
         # what appending the whole chunk later would do. A bounded one waits for its whole chunk.
         complete = [length == sequence.chunk_left or not sequence.cache.policy.evicts for sequence in sequences]
-        for sequence, done in zip(sequences, complete):
-            if sequence.staged is None and not done:  # a chunk begins in pieces
-                sequence.chunk_end = sequence.prefilled + sequence.chunk_left
         past_key, past_value, slot_mask = self.cache_manager.prefill_inputs(caches, staged)
         attention = any(cache.policy.needs_attention for cache in caches)
         out = self.decoder.run(input_ids, positions, past_key, past_value, slot_mask, last_only=True, attention=attention)
-        if all(piece is None for piece in staged) and all(complete):
-            self.cache_manager.store(caches, out)
-        else:
-            for sequence, piece in zip(sequences, self.cache_manager.store_pieces(caches, staged, complete, out)):
-                sequence.staged = piece
-        for sequence in sequences:
+        for sequence, piece in zip(sequences, self.cache_manager.store_pieces(caches, staged, complete, out)):
+            sequence.staged = piece
             sequence.prefilled += length
         return out
 

@@ -22,9 +22,10 @@ Flow of one engine step:
   1. admit: `allocate(request)` returns the sequence's cache: the session's saved state when the
      prompt continues it, else a warm prefix's state when the prompt starts with one, else an empty
      cache reserved at its worst case (each a copy the sequence owns);
-  2. prefill: `prefill_inputs(caches)` gives the decoder one cache's own arrays (no copy) or, for a
-     batched chunk, stacked copies padded to the largest; `store(caches, out)` appends each row (the
-     policy decides, the slot cache applies);
+  2. prefill: `prefill_inputs(caches, staged)` gives the decoder one cache's own arrays (no copy) or,
+     for a batched chunk or a piece of one, stacked copies padded to the largest (a chunk's earlier
+     pieces after the cache's slots); `store_pieces` appends each row whose chunk is whole and stages
+     the rest (the policy decides, the slot cache applies);
   3. decode: `decode_inputs(caches)` binds the caches to the pool's rows (copies only when the batch
      changes), syncs the device mirror (scattered written slots), returns what the decoder reads in
      place; `store_decode` appends the new tokens (full kvpop caches vectorised together,
@@ -185,18 +186,12 @@ class CacheManager:
         return key, value, slot_mask
 
     @staticmethod
-    def store(caches: list[SlotCache], out: "StepOutput") -> None:
-        """Append each row of a decoder step to its cache (row r belongs to caches[r])."""
-        for row, cache in enumerate(caches):
-            append_output(cache, out, row)
-
-    @staticmethod
     def store_pieces(
         caches: list[SlotCache], staged: "list[StagedChunk | None]", complete: list[bool], out: "StepOutput"
     ) -> "list[StagedChunk | None]":
-        """Row r of a call over prompt pieces: staged after `staged[r]`, and appended to caches[r] with
-        the pieces before it when `complete[r]` (its chunk is whole). Each row's staged chunk after the
-        call (None: in its cache)."""
+        """Row r of a prompt call (a whole chunk or a piece of one): staged after `staged[r]`, and
+        appended to caches[r] with the pieces before it when `complete[r]` (its chunk is whole). Each
+        row's staged chunk after the call (None: in its cache)."""
         after = []
         for row, (cache, piece, done) in enumerate(zip(caches, staged, complete)):
             if piece is None and done:

@@ -25,14 +25,21 @@ def request(name: str, prompt: list[int], policy: str, max_tokens: int) -> Gener
     return GenerationRequest(name, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), cache_config(policy))
 
 
+def streams_and_a_long_prompt(decoder, policy: str):
+    """Three 40-token streams, the 96-token prompt that arrives while they decode, and each one's
+    output when it runs alone."""
+    streams = [request(f"s{i}", prompt, policy, 40) for i, prompt in enumerate(RUNNING_PROMPTS)]
+    long = request("long", LONG_PROMPT, policy, 6)
+    alone = {r.request_id: Engine(decoder, prefill_chunk=8).generate([r])[0].output_ids for r in [*streams, long]}
+    return streams, long, alone
+
+
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_long_prefill_interleaves_with_running_streams(decoder, policy):
     """A long prompt arriving while three streams decode is fed one chunk per step: every running
     stream still gets a token at every step, no step feeds more than the token budget, and every
     output (the running streams' and the long prompt's) equals the output of that request alone."""
-    streams = [request(f"s{i}", prompt, policy, 40) for i, prompt in enumerate(RUNNING_PROMPTS)]
-    long = request("long", LONG_PROMPT, policy, 6)
-    alone = {r.request_id: Engine(decoder, prefill_chunk=8).generate([r])[0].output_ids for r in [*streams, long]}
+    streams, long, alone = streams_and_a_long_prompt(decoder, policy)
 
     engine = Engine(decoder, max_batch_size=4, prefill_chunk=8, max_step_tokens=8)
     for stream in streams:
@@ -169,9 +176,7 @@ def test_a_small_budget_prefills_in_chunks_of_at_least_the_floor(decoder, monkey
 def test_paced_prefill_changes_when_tokens_arrive_not_which(decoder, policy):
     """With prefill pacing (kvpop.prefill_pacer) the long prompt is fed in pieces sized from measured
     step times while streams decode; every answer is still the one of that request alone."""
-    streams = [request(f"s{i}", prompt, policy, 40) for i, prompt in enumerate(RUNNING_PROMPTS)]
-    long = request("long", LONG_PROMPT, policy, 6)
-    alone = {r.request_id: Engine(decoder, prefill_chunk=8).generate([r])[0].output_ids for r in [*streams, long]}
+    streams, long, alone = streams_and_a_long_prompt(decoder, policy)
     engine = Engine(decoder, max_batch_size=4, prefill_chunk=32, prefill_pacing=1.0)
     for stream in streams:
         engine.add_request(stream)

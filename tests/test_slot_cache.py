@@ -101,3 +101,31 @@ def test_pool_views_share_memory_and_repack_only_when_membership_changes():
     pool.bind(caches[:2])
     assert pool.repacks == 2 and pool.key.shape[1] == 2
     assert_consistent(caches[1])
+
+
+def test_growing_caches_grow_in_place_in_the_pool_until_its_headroom_is_used():
+    """Full caches crossing their growth blocks at different steps must not repack the pool each time."""
+    rng = np.random.default_rng(0)
+    caches = [SlotCache(SPEC, make_policy("full"), budget=None) for _ in range(3)]
+    for cache, tokens in zip(caches, (GROWTH_BLOCK - 2, GROWTH_BLOCK - 1, 10)):
+        feed(cache, tokens, rng)
+    pool = BatchSlotPool(SPEC)
+    pool.bind(caches)
+    assert pool.slots > GROWTH_BLOCK and pool.repacks == 1  # room beyond the largest cache
+    for _ in range(4):  # every cache crosses into its next growth block, one step apart
+        for cache in caches:
+            feed(cache, 1, rng, capacity_seen=pool.slots)
+        pool.bind(caches)
+    assert pool.repacks == 1  # grown in place: nothing copied
+    for row, cache in enumerate(caches):
+        assert cache.capacity > GROWTH_BLOCK or cache.length <= GROWTH_BLOCK
+        assert np.shares_memory(cache.key, pool.key) and cache.storage_owner is pool
+        np.testing.assert_array_equal(pool.key[:, row, :, : cache.length], cache.key[:, :, : cache.length])
+        assert_consistent(cache)
+    while caches[0].capacity <= pool.slots - GROWTH_BLOCK:  # use the headroom up: then it must move out
+        feed(caches[0], GROWTH_BLOCK, rng)
+    feed(caches[0], GROWTH_BLOCK, rng)
+    assert caches[0].storage_owner is None and caches[0].capacity > pool.slots
+    pool.bind(caches)
+    assert pool.repacks == 2 and caches[0].storage_owner is pool
+    assert_consistent(caches[0])

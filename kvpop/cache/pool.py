@@ -5,8 +5,9 @@ per-sequence caches before each decode step would copy every cache every token. 
 running sequence's `key`/`value` are views into one row of the pool's arrays, so a steady-state
 decode step copies nothing: the decoder reads the pool and the slot cache writes new tokens into
 its row in place. The pool is repacked (one copy of everything) only when the set of sequences
-changes or a sequence outgrows the pool's slot count S; sequences with fewer slots than S are
-padded and masked. With `track_writes` (a device mirror exists) the bound caches record the slots
+changes or a sequence outgrows the pool's slot count S (a growing cache grows in place within its
+row while S has room, and a repack for growing caches leaves some); sequences with fewer slots than
+S are padded and masked. With `track_writes` (a device mirror exists) the bound caches record the slots
 they write, and `take_dirty` collects them into one (L, B, Hkv, S) mask.
 """
 
@@ -14,8 +15,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvpop.cache.slot_cache import SlotCache
+from kvpop.cache.slot_cache import GROWTH_BLOCK, SlotCache, round_up_slots
 from kvpop.model_spec import ModelSpec
+
+# A repack for caches that grow (the full cache) leaves this much more room than the largest needs
+# (at least one growth block), so they grow in place for a while: without it, eight full caches
+# crossing their 64-slot block boundaries at different steps repacked the whole pool eight times per
+# 64 tokens (a quarter of SmolLM2's decode time at 512 + 1024 tokens). The price: attention over at
+# most this fraction of padding slots, which are masked.
+GROWTH_HEADROOM = 0.125
 
 
 class BatchSlotPool:
@@ -49,12 +57,22 @@ class BatchSlotPool:
         if unchanged:
             return
         slots = max((cache.capacity for cache in caches), default=0)
+        if any(cache.budget is None for cache in caches):  # growing caches: room to grow in place
+            slots = round_up_slots(slots + max(GROWTH_BLOCK, int(slots * GROWTH_HEADROOM)))
         key, value = self._zeros(len(caches), slots), self._zeros(len(caches), slots)
         for row, cache in enumerate(caches):
             cache.rebind(key[:, row, :, : cache.capacity], value[:, row, :, : cache.capacity], self, self.track_writes)
         self.key, self.value = key, value
         self._caches = list(caches)
         self.repacks += 1
+
+    def grown_views(self, cache: SlotCache, capacity: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """(key, value) views of `capacity` slots of `cache`'s row, if the pool has that room: a bound
+        cache grows in place, and the next `bind` has nothing to copy. None: it must move out."""
+        if capacity > self.slots:
+            return None
+        row = next(row for row, bound in enumerate(self._caches) if bound is cache)
+        return self.key[:, row, :, :capacity], self.value[:, row, :, :capacity]
 
     def take_dirty(self) -> np.ndarray:
         """(L, B, Hkv, S) slots the bound caches wrote since the last call (or the last repack)."""

@@ -126,15 +126,20 @@ class SlotCache:
         return np.arange(self.capacity) < self.length
 
     def reserve(self, slots: int) -> None:
-        """Make room for `slots` slots per head (never beyond the budget), growing in blocks."""
+        """Make room for `slots` slots per head (never beyond the budget), growing in blocks: within
+        the storage owner's row when it has room (no copy), else into arrays of its own."""
         slots = int(min(slots, self.limit))
         if slots <= self.capacity:
             return
         new_capacity = int(min(round_up_slots(slots), self.limit))
-        key, value = self._zeros_kv(new_capacity), self._zeros_kv(new_capacity)
-        key[:, :, : self.length] = self.key[:, :, : self.length]
-        value[:, :, : self.length] = self.value[:, :, : self.length]
-        self.key, self.value, self.storage_owner, self._writes = key, value, None, None
+        in_place = self.storage_owner.grown_views(self, new_capacity) if self.storage_owner is not None else None
+        if in_place is not None:  # the owner's row has room: the valid prefix is already there
+            self.key, self.value = in_place
+        else:
+            key, value = self._zeros_kv(new_capacity), self._zeros_kv(new_capacity)
+            key[:, :, : self.length] = self.key[:, :, : self.length]
+            value[:, :, : self.length] = self.value[:, :, : self.length]
+            self.key, self.value, self.storage_owner, self._writes = key, value, None, None
         self.position = self._grown(self.position, new_capacity, fill=-1)
         self.statistics = {name: self._grown(stat, new_capacity, fill=0) for name, stat in self.statistics.items()}
         self.peak_bytes = max(self.peak_bytes, self.nbytes)

@@ -345,7 +345,7 @@ class Engine:
         decoding = list(self._running.values())
         if decoding:
             events.extend(self._decode(decoding))
-        events.extend(self._prefill_step())
+        events.extend(self._prefill_step(decoding=bool(decoding)))
         if not self._running:
             self.cache_manager.release_batch()
         return events
@@ -402,16 +402,16 @@ class Engine:
         history = (request.prompt_ids + sequence.output_ids)[: cache.tokens_seen]
         self.cache_manager.save_session(request.session_id, cache, history, request.cache)
 
-    def _prefill_step(self) -> list[TokenEvent]:
+    def _prefill_step(self, decoding: bool) -> list[TokenEvent]:
         """Feed admitted prompts under the step's token budget: `max_step_tokens` while streams decode
         (the longest a running stream waits for prompt work between two of its tokens), and at least
-        one whole `prefill_chunk` when none does.
+        one whole `prefill_chunk` when none does. `decoding`: this step decoded tokens, even if every
+        such stream just finished: their last tokens leave with this step's events, so they wait too.
 
         In rounds: each round takes, first come first served, the next piece of every prompt: the rest
         of its current chunk, cut to what is left of the budget. A chunk cut in pieces still enters its
         cache once, whole (kvpop.cache.staged_chunk), so answers do not depend on the load. Pieces of
         equal length run as one call. A prompt whose last chunk went in samples its first token."""
-        decoding = bool(self._running)
         if not decoding:
             budget = max(self.max_step_tokens, self.prefill_chunk)
         else:

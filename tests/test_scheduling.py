@@ -212,3 +212,23 @@ def test_a_step_ends_when_its_leftover_budget_is_too_small_for_a_piece(decoder):
     assert done, "an engine step did not return"
     alone = [Engine(decoder).generate([r])[0].output_ids for r in batch]
     assert [r.output_ids for r in done[0]] == alone
+
+
+def test_the_step_that_ends_the_last_stream_keeps_the_step_budget(decoder):
+    """A stream's last token leaves with its step's events, so that step's prompt work stays within
+    `max_step_tokens` too (before: every stream having finished, the step fed a whole chunk and the
+    last token waited for it, the worst gap a running stream saw)."""
+    engine = Engine(decoder, max_batch_size=4, prefill_chunk=64, max_step_tokens=8)
+    engine.add_request(request("stream", RUNNING_PROMPTS[0], "full", 3))
+    engine.step()  # prompt in, token 1
+    engine.add_request(request("long", LONG_PROMPT, "full", 2))
+    finished = False
+    while not finished:
+        before = engine._prefilling["long"].prefilled if "long" in engine._prefilling else 0
+        events = engine.step()
+        finished = any(event.request_id == "stream" and event.finished for event in events)
+        after = engine._prefilling["long"].prefilled if "long" in engine._prefilling else len(LONG_PROMPT)
+        assert after - before <= 8
+    assert "long" in engine._prefilling  # the next step, with nothing decoding, takes a whole chunk
+    engine.step()
+    assert engine._prefilling["long"].prefilled > 16

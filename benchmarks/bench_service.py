@@ -292,6 +292,8 @@ def plot(report: dict, out_dir: Path) -> None:
     import matplotlib.pyplot as plt
 
     workloads = report["workloads"]
+    if not workloads:  # --workloads none: the stall probe alone, nothing to plot
+        return
     figure, axes = plt.subplots(1, len(workloads), figsize=(4.2 * len(workloads), 3.6))
     for axis, workload in zip(np.atleast_1d(axes), workloads):
         concurrencies = workload["concurrencies"]

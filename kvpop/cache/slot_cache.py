@@ -29,6 +29,7 @@ import numpy as np
 from kvpop.model_spec import ModelSpec
 
 if TYPE_CHECKING:
+    from kvpop.cache.pool import BatchSlotPool
     from kvpop.policies.base import EvictionPolicy, StatisticsUpdate
 
 GROWTH_BLOCK = 64  # slots added at a time while a cache fills up to its budget (or grows, unbounded)
@@ -88,7 +89,7 @@ class SlotCache:
         self.length = 0  # valid slots per head (the prefix [0, length))
         self.tokens_seen = 0
         self.peak_bytes = 0
-        self.storage_owner: object | None = None  # the batch pool whose arrays `key`/`value` view
+        self.storage_owner: "BatchSlotPool | None" = None  # the batch pool whose arrays `key`/`value` view
         self._writes: list | None = None  # index expressions written since `take_writes`; None: not tracked
         self.key = self._zeros_kv(0)  # (L, Hkv, C, D)
         self.value = self._zeros_kv(0)  # (L, Hkv, C, D)
@@ -149,7 +150,7 @@ class SlotCache:
         grown[:, :, : self.length] = array[:, :, : self.length]
         return grown
 
-    def rebind(self, key: np.ndarray, value: np.ndarray, owner: object, track_writes: bool = False) -> None:
+    def rebind(self, key: np.ndarray, value: np.ndarray, owner: "BatchSlotPool", track_writes: bool = False) -> None:
         """Move the keys and values into `owner`'s storage (views of shape (L, Hkv, C, D));
         `track_writes`: record what is written from now on (the owner mirrors it to a device)."""
         if key.shape != self.key.shape or value.shape != self.value.shape:

@@ -129,3 +129,16 @@ def test_growing_caches_grow_in_place_in_the_pool_until_its_headroom_is_used():
     pool.bind(caches)
     assert pool.repacks == 2 and caches[0].storage_owner is pool
     assert_consistent(caches[0])
+
+
+def test_a_cache_left_out_of_a_repack_grows_into_arrays_of_its_own():
+    rng = np.random.default_rng(0)
+    caches = [SlotCache(SPEC, make_policy("full"), budget=None) for _ in range(2)]
+    for cache in caches:
+        feed(cache, 10, rng)
+    pool = BatchSlotPool(SPEC)
+    pool.bind(caches)
+    pool.bind(caches[:1])  # the second one is no longer bound, though its views still point into the old arrays
+    feed(caches[1], pool.slots, rng)  # grows past a block
+    assert caches[1].storage_owner is None and not np.shares_memory(caches[1].key, pool.key)
+    assert_consistent(caches[1])

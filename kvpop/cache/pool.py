@@ -68,10 +68,11 @@ class BatchSlotPool:
 
     def grown_views(self, cache: SlotCache, capacity: int) -> tuple[np.ndarray, np.ndarray] | None:
         """(key, value) views of `capacity` slots of `cache`'s row, if the pool has that room: a bound
-        cache grows in place, and the next `bind` has nothing to copy. None: it must move out."""
-        if capacity > self.slots:
+        cache grows in place, and the next `bind` has nothing to copy. None: it must move out (no room,
+        or it is no longer bound: its views point into arrays a repack replaced)."""
+        row = next((row for row, bound in enumerate(self._caches) if bound is cache), None)
+        if row is None or capacity > self.slots:
             return None
-        row = next(row for row, bound in enumerate(self._caches) if bound is cache)
         return self.key[:, row, :, :capacity], self.value[:, row, :, :capacity]
 
     def take_dirty(self) -> np.ndarray:

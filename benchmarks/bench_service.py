@@ -11,8 +11,10 @@ shared machine hits every system alike:
 
   (a) long:   2048-token prompts, 32 output tokens, concurrency 1/4/8
   (b) reason: 512-token prompts, --reason-tokens output tokens (1024 by default), concurrency 4/8
-  (c) pool:   16 users, 512-token prompts, --pool-tokens output tokens, KV pool sized to hold only 4
-              full-cache sequences (the classic design: batches of 4), so admission decides
+  (c) pool:   --pool-users users (16 by default), 512-token prompts, --pool-tokens output tokens, KV
+              pool sized to hold only 4 full-cache sequences (the classic design: batches of 4);
+              max_running_sequences is raised to the user count there, so memory alone decides
+              how many run at once
   (d) chat:   ~100-token prompts, 32 output tokens, concurrency 1/4/8
   stall:      4 running streams; a 2048-token prompt arrives; the running streams' longest gap while
               it is prefilled vs their median gap
@@ -46,6 +48,7 @@ import numpy as np
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ("full", "kvpop", "classic")
 COMPRESSION = 0.88
+REQUEST_TIMEOUT_S = 3600  # a late user of (c) waits for 7 batches of 4 ahead of it in the classic design
 
 
 @dataclass
@@ -83,7 +86,7 @@ def service_request(url: str, prompt: list[int], max_tokens: int, system: str, t
     timing = timing or RequestTiming(0.0)
     timing.start = time.perf_counter()
     try:
-        for chunk in KVpopClient(url, protocol="grpc", timeout=600).stream(prompt, max_tokens, ignore_eos=True, **options):
+        for chunk in KVpopClient(url, protocol="grpc", timeout=REQUEST_TIMEOUT_S).stream(prompt, max_tokens, ignore_eos=True, **options):
             if chunk.token_ids:
                 now = time.perf_counter()
                 timing.token_times.extend([now] * len(chunk.token_ids))
@@ -99,7 +102,7 @@ def classic_request(url: str, prompt: list[int], max_tokens: int, system: str) -
     body = json.dumps({"input_ids": prompt, "max_tokens": max_tokens}).encode()
     try:
         request = urllib.request.Request(f"http://{url}/generate", body, {"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=600) as response:
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
             timing.tokens = len(json.loads(response.read())["output_ids"])
         timing.token_times = [time.perf_counter()] * timing.tokens  # no streaming: every token at the end
     except Exception as error:
@@ -258,6 +261,8 @@ def markdown(report: dict) -> str:
         for concurrency, ratio in report["ratios"][workload["name"]].items():
             lines.append(f"| {concurrency} | {fmt(ratio['kvpop_over_full_rps'], '.2f')} | {fmt(ratio['kvpop_over_full_tps'], '.2f')} | "
                          f"{fmt(ratio['kvpop_over_classic_tps'], '.2f')} | {fmt(ratio['full_over_classic_rps'], '.2f')} |")
+    if not any(report["stall"].values()):  # --stall-tokens 0
+        return "\n".join(lines) + "\n"
     lines.append(f"\n### stall: a 2048-token prompt arrives while 4 streams decode (engine parameters {report['engine_parameters']})\n")
     lines.append("| system | worst gap while it is prefilled ms | median gap ms | worst / median | mean gap ms | worst / mean | its TTFT ms |")
     lines.append("|---|---|---|---|---|---|---|")
@@ -322,8 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repetitions", type=int, default=2)
     parser.add_argument("--reason-tokens", type=int, default=1024, help="output tokens of workload (b)")
     parser.add_argument("--pool-tokens", type=int, default=256, help="output tokens of workload (c)")
+    parser.add_argument("--pool-users", type=int, nargs="+", default=[16], help="concurrent users of workload (c)")
     parser.add_argument("--reason-concurrency", type=int, nargs="+", default=[4, 8], help="concurrencies of workload (b)")
-    parser.add_argument("--stall-tokens", type=int, default=1000, help="output tokens of the stall probe's running streams")
+    parser.add_argument("--stall-tokens", type=int, default=1000, help="output tokens of the stall probe's running streams (0: no stall probe)")
     parser.add_argument("--workloads", nargs="+", default=["a", "b", "c", "d"], help="a b c d, or none (the stall probe only)")
     parser.add_argument("--engine-parameter", action="append", default=[], metavar="KEY=VALUE",
                         help="a kvpop_engine config.pbtxt parameter for both servers (repeatable)")
@@ -335,8 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     all_workloads = {
         "a": Workload("a", "2048-token prompts, 32 output tokens", 2048, 32, (1, 4, 8), 2),
         "b": Workload("b", f"512-token prompts, {args.reason_tokens} output tokens", 512, args.reason_tokens, tuple(args.reason_concurrency), 1),
-        "c": Workload("c", f"16 users, 512-token prompts, {args.pool_tokens} output tokens, KV pool of 4 full sequences",
-                      512, args.pool_tokens, (16,), 1, pool=True),
+        "c": Workload("c", f"many users, 512-token prompts, {args.pool_tokens} output tokens, KV pool of 4 full sequences",
+                      512, args.pool_tokens, tuple(args.pool_users), 1, pool=True),
         "d": Workload("d", "~100-token chat prompts, 32 output tokens", 100, 32, (1, 4, 8), 3),
     }
     workloads = [all_workloads[name] for name in args.workloads if name != "none"]
@@ -348,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     pool_tokens = 512 + args.pool_tokens
     pool_mb = max(1, math.ceil(4 * pool_tokens * spec.kv_bytes_per_token / 2**20))
     pool_parameters = {**base_parameters, "kv_pool_mb": str(pool_mb)}
+    # memory, not the in-flight batch limit, decides how many sequences of workload (c) run at once
+    pool_parameters.setdefault("max_running_sequences", str(max(16, *args.pool_users)))
     print(f"[bench] pool workload: kv_pool_mb={pool_mb} ({4 * pool_tokens * spec.kv_bytes_per_token / 2**20:.2f} MiB "
           f"needed by 4 full-cache sequences of {pool_tokens} tokens)", flush=True)
 
@@ -386,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
                               f"{cell['requests_per_s']:.2f} req/s, {cell['output_tokens_per_s']:.0f} tok/s, "
                               f"TTFT p50 {cell['ttft_p50_ms'] or 0:.0f} ms, ITL p50 {cell['itl_p50_ms'] or 0:.1f} ms, "
                               f"p99 {cell['latency_p99_ms'] or 0:.0f} ms, errors {cell['errors']} {cell['error_examples']}", flush=True)
-            for system in ("full", "kvpop"):
+            for system in ("full", "kvpop") if args.stall_tokens > 0 else ():
                 probe = stall_probe(urls["main"][0], system, spec.vocab_size, stream_tokens=args.stall_tokens)
                 stall[system].append(probe)
                 print(f"[bench] rep {repetition + 1} stall {system}: {probe}", flush=True)
@@ -395,7 +403,11 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
         for process, _ in classics.values():
             process.terminate()
-            process.wait(timeout=30)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # still inside a long generate call
+                process.kill()
+                process.wait()
         shutil.rmtree(scratch, ignore_errors=True)  # model repositories hold copies of the weights
 
     report = {

@@ -8,7 +8,9 @@ sampling) and runs the real `Engine.step` loop:
   * one request: a 2048-token prompt, 32 greedy output tokens, alone;
   * a loaded period: 8 streams of 512-token prompts decoding while 4 more 2048-token prompts arrive
     (the moment the issue measured stalls), every request 32 output tokens;
-  * with --reason-tokens N: 8 prompts of 512 tokens, N output tokens each (bench-service's (b)).
+  * with --reason-tokens N: --reason-streams prompts (8) of 512 tokens, N output tokens each
+    (bench-service's (b); with 16 or 32 streams, the many users of (c)).
+--scenarios picks some of them (one, loaded, reasoning).
 For each it prints a table (component, ms, share of the wall time) and the longest gap between two
 tokens of an already running stream against its median gap. Timers nest: `decoder` includes its
 own output copy; `policy.observe` includes `scorer`.
@@ -127,15 +129,15 @@ def run_scenario(engine: Engine, arrivals: list[tuple[int, GenerationRequest]]) 
     }
 
 
-def scenarios(vocab: int, policy: str, reason_tokens: int = 0) -> dict[str, list[tuple[int, GenerationRequest]]]:
+def scenarios(vocab: int, policy: str, reason_tokens: int = 0, reason_streams: int = 8) -> dict[str, list[tuple[int, GenerationRequest]]]:
     rng = np.random.default_rng(0)
     one = [(0, request("one", prompt(rng, 2048, vocab), policy, 32))]
     loaded = [(0, request(f"stream{i}", prompt(rng, 512, vocab), policy, 64)) for i in range(8)]
     loaded += [(12, request(f"long{i}", prompt(rng, 2048, vocab), policy, 32)) for i in range(4)]
     found = {"one request (2048 prompt, 32 out)": one, "loaded (8 streams + 4 x 2048 arriving)": loaded}
     if reason_tokens:  # bench-service's workload (b) in the engine alone
-        reasoning = [(0, request(f"reason{i}", prompt(rng, 512, vocab), policy, reason_tokens)) for i in range(8)]
-        found[f"reasoning (8 x 512 prompt, {reason_tokens} out)"] = reasoning
+        reasoning = [(0, request(f"reason{i}", prompt(rng, 512, vocab), policy, reason_tokens)) for i in range(reason_streams)]
+        found[f"reasoning ({reason_streams} x 512 prompt, {reason_tokens} out)"] = reasoning
     return found
 
 
@@ -173,24 +175,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-pacing", type=float, default=0.0,
                         help="the service's prefill_pacing (kvpop.prefill_pacer); 0: one chunk per step")
     parser.add_argument("--reason-tokens", type=int, default=0,
-                        help="also run 8 prompts of 512 tokens with this many output tokens each (workload (b))")
+                        help="also run --reason-streams prompts of 512 tokens with this many output tokens each (workload (b))")
+    parser.add_argument("--reason-streams", type=int, default=8, help="sequences of the reasoning scenario")
+    parser.add_argument("--scenarios", nargs="+", choices=["one", "loaded", "reasoning"], default=["one", "loaded", "reasoning"])
     args = parser.parse_args(argv)
 
     results: dict[str, dict] = defaultdict(dict)
     for policy in args.policies:
         engine = Engine(
-            DecoderStep(args.model), max_batch_size=16, prefill_chunk=args.prefill_chunk,
+            DecoderStep(args.model), max_batch_size=max(16, args.reason_streams), prefill_chunk=args.prefill_chunk,
             learned_scorers=load_learned_scorers(args.model), prefill_pacing=args.prefill_pacing or None,
         )
         instrument(engine)
-        for label, arrivals in scenarios(engine.spec.vocab_size, policy, args.reason_tokens).items():
-            run_scenario(engine, scenarios(engine.spec.vocab_size, policy, args.reason_tokens)[label][:1])  # warm up
+        for label, arrivals in scenarios(engine.spec.vocab_size, policy, args.reason_tokens, args.reason_streams).items():
+            if label.split()[0] not in args.scenarios:
+                continue
+            run_scenario(engine, scenarios(engine.spec.vocab_size, policy, args.reason_tokens, args.reason_streams)[label][:1])  # warm up
             results[label][policy] = run_scenario(engine, arrivals)
     text = table(results)
     print(text)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"model": str(args.model), "prefill_chunk": args.prefill_chunk, "prefill_pacing": args.prefill_pacing, "results": results}, indent=2) + "\n")
+        args.out.write_text(json.dumps({"model": str(args.model), "prefill_chunk": args.prefill_chunk, "prefill_pacing": args.prefill_pacing,
+                                        "reason_streams": args.reason_streams, "results": results}, indent=2) + "\n")
         args.out.with_suffix(".md").write_text(text.lstrip() + "\n")
     return 0
 

@@ -69,6 +69,12 @@ def test_streamed_and_complete_answers_carry_the_same_tokens(worker):
     assert streamed.ids() == complete.ids()
     assert complete.responses[0]["finish_reason"][0, 0] == b"length"
     assert worker.admission.reserved_bytes == 0
+    # A streamed token carries its text, token and counts; the cache statistics come with the last
+    # response only, as in a complete answer (README: outputs).
+    core = {"text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens"}
+    assert all(set(response) == core for response in streamed.responses[:-1])
+    assert set(streamed.responses[-1]) == set(complete.responses[0]) > core
+    assert streamed.responses[-1]["kv_budget"][0, 0] == complete.responses[0]["kv_budget"][0, 0] > 0
 
 
 def test_cancel_frees_slots_and_queue_limit_rejects(worker):

@@ -45,14 +45,22 @@ def output_tensors(
 ) -> dict[str, np.ndarray]:
     """One response's tensors, each with Triton's leading batch dimension of 1.
 
-    Cache statistics are final only in the last response (zeros before it).
+    A streamed token's response (no `finish_reason` yet) carries the text, the token and the counts
+    only; the cache statistics come with the last response (zeros if the request never started).
+    Why: every tensor is built here, copied through the Python backend's shared memory and encoded
+    by the front end once per token per stream; eight constant tensors per token were most of it.
     """
-    return {
+    tensors = {
         "text_output": np.array([[text.encode("utf-8")]], dtype=np.object_),
         "output_ids": np.array([output_ids], dtype=np.int64).reshape(1, -1),
         "finish_reason": np.array([[(finish_reason or "").encode()]], dtype=np.object_),
         "num_input_tokens": np.array([[num_input_tokens]], dtype=np.int32),
         "num_output_tokens": np.array([[num_output_tokens]], dtype=np.int32),
+    }
+    if finish_reason is None:
+        return tensors
+    return {
+        **tensors,
         "kv_budget": np.array([[result.budget if result else 0]], dtype=np.int32),
         "peak_kv_bytes": np.array([[result.peak_kv_bytes if result else 0]], dtype=np.int64),
         "tokens_evicted": np.array([[result.tokens_evicted if result else 0]], dtype=np.int64),

@@ -21,8 +21,9 @@ shared machine hits every system alike:
 
 Systems: `full`, `kvpop` at 88% compression (the engine's kvpop scorer), `classic`. The service is
 measured over gRPC streaming on kvpop_engine (token timestamps: TTFT, inter-token latency); the
-classic design does not stream, so its TTFT is its latency. Requests ignore EOS so every request
-makes its output tokens. Writes service.json, service.md and service_*.png into --out-dir.
+classic design does not stream, so its TTFT is its latency; `--service-responses complete` asks the
+service the same way (one answer per request from kvpop_service, the product's endpoint). Requests
+ignore EOS so every request makes its output tokens. Writes service.json, service.md and service_*.png into --out-dir.
 """
 
 from __future__ import annotations
@@ -91,6 +92,23 @@ def service_request(url: str, prompt: list[int], max_tokens: int, system: str, t
                 now = time.perf_counter()
                 timing.token_times.extend([now] * len(chunk.token_ids))
                 timing.tokens += len(chunk.token_ids)
+    except Exception as error:  # counted, reported
+        timing.error = f"{type(error).__name__}: {error}"[:300]
+    timing.end = time.perf_counter()
+    return timing
+
+
+def complete_request(url: str, prompt: list[int], max_tokens: int, system: str) -> RequestTiming:
+    """One complete answer from the product's endpoint (kvpop_service, /v2/models/kvpop_service/infer),
+    as the classic design answers: no streaming, every token at the end."""
+    from kvpop_client import KVpopClient
+
+    options = {"eviction_policy": "full"} if system == "full" else {"eviction_policy": "kvpop", "compression_ratio": COMPRESSION}
+    timing = RequestTiming(start=time.perf_counter())
+    try:
+        with KVpopClient(url, protocol="grpc", timeout=REQUEST_TIMEOUT_S) as client:
+            timing.tokens = len(client.generate(prompt, max_tokens, ignore_eos=True, **options).output_ids)
+        timing.token_times = [time.perf_counter()] * timing.tokens
     except Exception as error:  # counted, reported
         timing.error = f"{type(error).__name__}: {error}"[:300]
     timing.end = time.perf_counter()
@@ -241,6 +259,9 @@ def markdown(report: dict) -> str:
     fmt = lambda v, spec=".1f": "-" if v is None else format(v, spec)  # noqa: E731
     lines = [f"Measured {report['date']} on {report['machine']}; model {report['model']}; "
              f"{report['repetitions']} interleaved repetitions, means shown. CPU-sized: each cell is a few requests.\n"]
+    if report.get("service_responses") == "complete":
+        lines.append("Service requests: complete answers from kvpop_service (no streaming, as the classic design), "
+                     "so TTFT is the whole latency and there are no inter-token gaps.\n")
     for workload in report["workloads"]:
         lines.append(f"\n### ({workload['name']}) {workload['label']}\n")
         lines.append("| concurrency | system | req/s | output tok/s | TTFT p50 ms | ITL p50 ms | ITL p99 ms | latency p50 / p95 / p99 ms | errors |")
@@ -330,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pool-users", type=int, nargs="+", default=[16], help="concurrent users of workload (c)")
     parser.add_argument("--reason-concurrency", type=int, nargs="+", default=[4, 8], help="concurrencies of workload (b)")
     parser.add_argument("--stall-tokens", type=int, default=1000, help="output tokens of the stall probe's running streams (0: no stall probe)")
+    parser.add_argument("--service-responses", choices=["stream", "complete"], default="stream",
+                        help="stream: gRPC streaming from kvpop_engine (TTFT, inter-token gaps); complete: one answer per "
+                             "request from kvpop_service, as the classic design answers")
     parser.add_argument("--workloads", nargs="+", default=["a", "b", "c", "d"], help="a b c d, or none (the stall probe only)")
     parser.add_argument("--engine-parameter", action="append", default=[], metavar="KEY=VALUE",
                         help="a kvpop_engine config.pbtxt parameter for both servers (repeatable)")
@@ -347,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     workloads = [all_workloads[name] for name in args.workloads if name != "none"]
     base_parameters = dict(item.split("=", 1) for item in args.engine_parameter)
-    base_parameters.setdefault("max_output_tokens", str(max(1024, args.reason_tokens)))
+    base_parameters.setdefault("max_output_tokens", str(max(1024, args.reason_tokens, args.pool_tokens)))
     cpu_config = (REPO_ROOT / "model_repository" / "kvpop_engine" / "configs" / "cpu.pbtxt").read_text()
     if '"session_hot_mb"' in cpu_config:  # no finished sessions held in the KV pool: admission alone decides
         base_parameters.setdefault("session_hot_mb", "0")
@@ -375,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
                 service_request(grpc_url, warm, 4, system)
             classic_request(classic_url, warm, 4, "classic")
 
+        streamed = args.service_responses == "stream"
         cells: dict = {w.name: {str(c): {s: [] for s in SYSTEMS} for c in w.concurrencies} for w in workloads}
         stall: dict = {"full": [], "kvpop": []}
         for repetition in range(args.repetitions):
@@ -386,9 +411,10 @@ def main(argv: list[str] | None = None) -> int:
                             for client in range(concurrency)]
                     order = SYSTEMS if repetition % 2 == 0 else tuple(reversed(SYSTEMS))
                     for system in order:
-                        call, url = (classic_request, classic_url) if system == "classic" else (service_request, grpc_url)
+                        service_call = service_request if streamed else complete_request
+                        call, url = (classic_request, classic_url) if system == "classic" else (service_call, grpc_url)
                         timings, wall = closed_loop(call, url, system, work, workload.output_tokens)
-                        cell = summarize(timings, wall, streamed=system != "classic")
+                        cell = summarize(timings, wall, streamed=streamed and system != "classic")
                         cells[workload.name][str(concurrency)][system].append(cell)
                         print(f"[bench] rep {repetition + 1} ({workload.name}) c={concurrency} {system}: "
                               f"{cell['requests_per_s']:.2f} req/s, {cell['output_tokens_per_s']:.0f} tok/s, "
@@ -416,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": str(args.model),
         "hf_model": str(args.hf_model),
         "repetitions": args.repetitions,
+        "service_responses": args.service_responses,
         "compression": COMPRESSION,
         "engine_parameters": base_parameters,
         "pool_kv_mb": pool_mb,

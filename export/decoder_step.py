@@ -74,56 +74,146 @@ class SlotCacheDecoderStep(nn.Module):
         past_value: torch.Tensor,  # (L, B, Hkv, S, D)
         slot_mask: torch.Tensor,  # (B, S) bool, True where a slot holds a token
     ):
-        batch, new_tokens = input_ids.shape
-        hidden = self.decoder.embed_tokens(input_ids)  # (B, T, hidden)
-        cos, sin = self.decoder.rotary_emb(hidden, position_ids)  # (B, T, D) each
-        cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D)
+        [(hidden, new_key, new_value, attention, chunk_attention)] = self.run_segments(
+            [(input_ids, position_ids, past_key, past_value, slot_mask)]
+        )
+        logits = self.lm_head(self.decoder.norm(hidden))  # (B, T, V)
+        return logits, new_key, new_value, attention, chunk_attention
+
+    def run_segments(self, segments: list[tuple[torch.Tensor, ...]]) -> list[tuple[torch.Tensor, ...]]:
+        """The decoder layers over several segments at once, each (input_ids, position_ids, past_key,
+        past_value, slot_mask) as `forward` takes them, with its own B_i, T_i and S_i. Every segment's
+        tokens go through the projections and the MLP as one (N, hidden) matrix, N = sum B_i * T_i, so
+        the weights are read once for all of them; attention stays within each segment's own cache.
+        -> per segment: hidden (B, T, hidden) before the final norm, new_key, new_value (L, B, Hkv, T, D),
+        attention (L, B, Hq, T, S), chunk_attention (L, B, Hq, T, T)."""
+        shapes = [input_ids.shape for input_ids, *_ in segments]  # (B_i, T_i)
+        hiddens = [self.decoder.embed_tokens(input_ids) for input_ids, *_ in segments]  # (B, T, hidden) each
+        hidden_size = hiddens[0].shape[-1]
+        rotary = []
+        for hidden, (_, position_ids, *_) in zip(hiddens, segments):
+            cos, sin = self.decoder.rotary_emb(hidden, position_ids)  # (B, T, D) each
+            rotary.append((cos[:, None], sin[:, None]))  # (B, 1, T, D)
 
         # Additive masks, shared by every layer and head. A new token always sees itself, so no
         # softmax row is ever fully masked.
         minimum = torch.finfo(torch.float32).min
-        past_bias = torch.where(slot_mask, 0.0, minimum)[:, None, None, None, :]  # (B, 1, 1, 1, S)
-        causal = torch.ones(new_tokens, new_tokens, dtype=torch.bool, device=input_ids.device).tril()
-        chunk_bias = torch.where(causal, 0.0, minimum)  # (T, T)
+        masks = []
+        for (batch, new_tokens), (input_ids, _, _, _, slot_mask) in zip(shapes, segments):
+            past_bias = torch.where(slot_mask, 0.0, minimum)[:, None, None, None, :]  # (B, 1, 1, 1, S)
+            causal = torch.ones(new_tokens, new_tokens, dtype=torch.bool, device=input_ids.device).tril()
+            masks.append((past_bias, torch.where(causal, 0.0, minimum)))  # chunk bias (T, T)
 
-        new_keys, new_values, attentions, chunk_attentions = [], [], [], []
+        flat = torch.cat([hidden.reshape(-1, hidden_size) for hidden in hiddens]) if len(segments) > 1 \
+            else hiddens[0].reshape(-1, hidden_size)  # (N, hidden)
+        ends = []  # each segment's rows of `flat` are [previous end, end)
+        for batch, new_tokens in shapes:
+            ends.append((ends[-1] if ends else 0) + batch * new_tokens)
+        outputs = [([], [], [], []) for _ in segments]  # new keys, new values, attentions, chunk attentions
         for index, layer in enumerate(self.decoder.layers):
             attention = layer.self_attn
-            residual = hidden
-            normed = layer.input_layernorm(hidden)
-            query = attention.q_proj(normed).view(batch, new_tokens, -1, self.head_dim).transpose(1, 2)
-            key = attention.k_proj(normed).view(batch, new_tokens, -1, self.head_dim).transpose(1, 2)
-            value = attention.v_proj(normed).view(batch, new_tokens, -1, self.head_dim).transpose(1, 2)
-            if hasattr(attention, "q_norm"):  # Qwen3 normalises queries and keys per head
-                query, key = attention.q_norm(query), attention.k_norm(key)
-            query = query * cos + rotate_half(query) * sin  # (B, Hq, T, D)
-            key = key * cos + rotate_half(key) * sin  # (B, Hkv, T, D)
+            normed = layer.input_layernorm(flat)
+            queries, keys, values = attention.q_proj(normed), attention.k_proj(normed), attention.v_proj(normed)
+            contexts = []
+            for number, ((batch, new_tokens), segment, (cos, sin), bias) in enumerate(zip(shapes, segments, rotary, masks)):
+                rows = slice(ends[number - 1] if number else 0, ends[number])
+                context, key, value, probs_past, probs_new = self._attend(
+                    index, attention, batch, new_tokens, queries[rows], keys[rows], values[rows], segment, cos, sin, bias
+                )
+                contexts.append(context.reshape(-1, context.shape[-1]))  # (B * T, Hq * D)
+                for collected, tensor in zip(outputs[number], (key, value, probs_past, probs_new)):
+                    collected.append(tensor)
+            context = torch.cat(contexts) if len(contexts) > 1 else contexts[0]  # (N, Hq * D)
+            flat = flat + attention.o_proj(context)
+            flat = flat + layer.mlp(layer.post_attention_layernorm(flat))
 
-            # Group query heads by the KV head they share: (B, Hkv, G, T, D).
-            grouped_query = query.view(batch, self.num_kv_heads, self.group_size, new_tokens, self.head_dim)
-            past_k = past_key[index][:, :, None]  # (B, Hkv, 1, S, D)
-            past_v = past_value[index][:, :, None]
-            scores_past = (grouped_query @ past_k.transpose(-1, -2)).float() * self.scaling + past_bias
-            scores_new = (grouped_query @ key[:, :, None].transpose(-1, -2)).float() * self.scaling + chunk_bias
-            past_slots = scores_past.shape[-1]
-            probs = torch.softmax(torch.cat([scores_past, scores_new], dim=-1), dim=-1)  # (B, Hkv, G, T, S+T)
-            probs_past, probs_new = probs[..., :past_slots], probs[..., past_slots:]
-            context = probs_past.to(past_v.dtype) @ past_v + probs_new.to(value.dtype) @ value[:, :, None]
-            context = context.reshape(batch, self.num_attention_heads, new_tokens, self.head_dim)
-            context = context.transpose(1, 2).reshape(batch, new_tokens, -1)
-            hidden = residual + attention.o_proj(context)
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        results = []
+        for number, ((batch, new_tokens), (new_keys, new_values, attentions, chunk_attentions)) in enumerate(zip(shapes, outputs)):
+            rows = slice(ends[number - 1] if number else 0, ends[number])
+            results.append((
+                flat[rows].reshape(batch, new_tokens, hidden_size),
+                torch.stack(new_keys),  # (L, B, Hkv, T, D)
+                torch.stack(new_values),  # (L, B, Hkv, T, D)
+                torch.stack(attentions),  # (L, B, Hq, T, S)
+                torch.stack(chunk_attentions),  # (L, B, Hq, T, T)
+            ))
+        return results
 
-            new_keys.append(key)
-            new_values.append(value)
-            attentions.append(probs_past.reshape(batch, self.num_attention_heads, new_tokens, past_slots))
-            chunk_attentions.append(probs_new.reshape(batch, self.num_attention_heads, new_tokens, new_tokens))
+    def _attend(self, index, attention, batch, new_tokens, query, key, value, segment, cos, sin, bias):
+        """One layer's attention for one segment: its new tokens' queries over its cache and each other."""
+        _, _, past_key, past_value, _ = segment
+        past_bias, chunk_bias = bias
+        query = query.view(batch, new_tokens, -1, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
+        key = key.view(batch, new_tokens, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        value = value.view(batch, new_tokens, -1, self.head_dim).transpose(1, 2)
+        if hasattr(attention, "q_norm"):  # Qwen3 normalises queries and keys per head
+            query, key = attention.q_norm(query), attention.k_norm(key)
+        query = query * cos + rotate_half(query) * sin
+        key = key * cos + rotate_half(key) * sin
 
-        logits = self.lm_head(self.decoder.norm(hidden))  # (B, T, V)
+        # Group query heads by the KV head they share: (B, Hkv, G, T, D).
+        grouped_query = query.view(batch, self.num_kv_heads, self.group_size, new_tokens, self.head_dim)
+        past_k = past_key[index][:, :, None]  # (B, Hkv, 1, S, D)
+        past_v = past_value[index][:, :, None]
+        scores_past = (grouped_query @ past_k.transpose(-1, -2)).float() * self.scaling + past_bias
+        scores_new = (grouped_query @ key[:, :, None].transpose(-1, -2)).float() * self.scaling + chunk_bias
+        past_slots = scores_past.shape[-1]
+        probs = torch.softmax(torch.cat([scores_past, scores_new], dim=-1), dim=-1)  # (B, Hkv, G, T, S+T)
+        probs_past, probs_new = probs[..., :past_slots], probs[..., past_slots:]
+        context = probs_past.to(past_v.dtype) @ past_v + probs_new.to(value.dtype) @ value[:, :, None]
+        context = context.reshape(batch, self.num_attention_heads, new_tokens, self.head_dim)
+        context = context.transpose(1, 2).reshape(batch, new_tokens, -1)  # (B, T, Hq * D)
         return (
-            logits,
-            torch.stack(new_keys),  # (L, B, Hkv, T, D)
-            torch.stack(new_values),  # (L, B, Hkv, T, D)
-            torch.stack(attentions),  # (L, B, Hq, T, S)
-            torch.stack(chunk_attentions),  # (L, B, Hq, T, T)
+            context, key, value,
+            probs_past.reshape(batch, self.num_attention_heads, new_tokens, past_slots),
+            probs_new.reshape(batch, self.num_attention_heads, new_tokens, new_tokens),
+        )
+
+
+MIXED_SEGMENTS = ("decode", "prompt")
+MIXED_INPUT_NAMES = [f"{segment}_{name}" for segment in MIXED_SEGMENTS for name in STEP_INPUT_NAMES]
+MIXED_OUTPUT_NAMES = [f"{segment}_{name}" for segment in MIXED_SEGMENTS for name in ("logits", "new_key", "new_value")]
+
+
+class MixedDecoderStep(SlotCacheDecoderStep):
+    """One call for a decode batch and prompt pieces of other sequences: vLLM's mixed batch.
+
+    Why: on a device where a step's cost is mostly reading the weights, a prompt piece run in its own
+    call beside a decode step pays for the weights twice; here the decode rows (T = 1) and the prompt
+    rows (T tokens each) share the projections and the MLP, each segment attending to its own cache.
+    Last-position logits and no attention outputs (the serving hot path, for policies that read no
+    attention). Either segment may be empty (B = 0).
+
+    forward(decode_input_ids (Bd, 1), decode_position_ids, decode_past_key (L, Bd, Hkv, Sd, D),
+    decode_past_value, decode_slot_mask (Bd, Sd), prompt_input_ids (Bp, T), prompt_position_ids,
+    prompt_past_key (L, Bp, Hkv, Sp, D), prompt_past_value, prompt_slot_mask (Bp, Sp))
+    -> decode_logits (Bd, 1, V), decode_new_key, decode_new_value (L, Bd, Hkv, 1, D),
+       prompt_logits (Bp, 1, V), prompt_new_key, prompt_new_value (L, Bp, Hkv, T, D)
+    """
+
+    def forward(  # type: ignore[override]
+        self,
+        decode_input_ids: torch.Tensor,  # (Bd, 1)
+        decode_position_ids: torch.Tensor,  # (Bd, 1)
+        decode_past_key: torch.Tensor,  # (L, Bd, Hkv, Sd, D)
+        decode_past_value: torch.Tensor,
+        decode_slot_mask: torch.Tensor,  # (Bd, Sd)
+        prompt_input_ids: torch.Tensor,  # (Bp, T)
+        prompt_position_ids: torch.Tensor,  # (Bp, T)
+        prompt_past_key: torch.Tensor,  # (L, Bp, Hkv, Sp, D)
+        prompt_past_value: torch.Tensor,
+        prompt_slot_mask: torch.Tensor,  # (Bp, Sp)
+    ):
+        segments = [
+            (decode_input_ids, decode_position_ids, decode_past_key, decode_past_value, decode_slot_mask),
+            (prompt_input_ids, prompt_position_ids, prompt_past_key, prompt_past_value, prompt_slot_mask),
+        ]
+        (decode_hidden, decode_key, decode_value, _, _), (prompt_hidden, prompt_key, prompt_value, _, _) = self.run_segments(segments)
+        # One lm_head product for both segments' last positions: (Bd + Bp, 1, V). (3-D, as in the step's
+        # own export, so the exporter folds the same transposed weight and the two graphs share it.)
+        logits = self.lm_head(self.decoder.norm(torch.cat([decode_hidden[:, -1:], prompt_hidden[:, -1:]])))
+        decode_rows = decode_hidden.shape[0]
+        return (
+            logits[:decode_rows], decode_key, decode_value,  # (Bd, 1, V), (L, Bd, Hkv, 1, D) twice
+            logits[decode_rows:], prompt_key, prompt_value,  # (Bp, 1, V), (L, Bp, Hkv, T, D) twice
         )

@@ -64,11 +64,11 @@ def export_model(model_dir: Path, output_dir: Path, scorer_dir: Path | None = No
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from export.decoder_step import UnsupportedModelError, check_supported
-    from export.onnx_export import export_decoder_step
+    from export.onnx_export import export_decoder_step, export_mixed_step
     from export.parity import check_parity
     from export.slot_writer import export_slot_writer
-    from export.step_variants import check_variants, variant_paths, write_step_variants
-    from kvpop.decoder import DecoderStep
+    from export.step_variants import check_mixed_step, check_variants, variant_paths, write_step_variants
+    from kvpop.decoder import DecoderStep, mixed_step_path
 
     model_dir, output_dir = Path(model_dir), Path(output_dir)
     stage = _Stages(total=6)
@@ -93,10 +93,12 @@ def export_model(model_dir: Path, output_dir: Path, scorer_dir: Path | None = No
     stage(f"exporting {architecture} ({spec.num_layers} layers, {spec.num_kv_heads} KV heads) to ONNX")
     output_dir.mkdir(parents=True, exist_ok=True)
     decoder_path = output_dir / spec.decoder_file
-    for stale in (decoder_path, output_dir / (spec.decoder_file + ".data"), *variant_paths(decoder_path).values()):
+    mixed_path = mixed_step_path(decoder_path)
+    for stale in (decoder_path, output_dir / (spec.decoder_file + ".data"), *variant_paths(decoder_path).values(), mixed_path):
         stale.unlink(missing_ok=True)
     export_decoder_step(causal_lm, decoder_path)
     write_step_variants(decoder_path)  # last-position logits, with and without attention (the engine's)
+    export_mixed_step(causal_lm, mixed_path, weights_of=decoder_path)  # a decode batch + prompt pieces in one call
     export_slot_writer(output_dir, spec.dtype)  # keeps the batch's cache on the GPU between steps
 
     stage("writing tokenizer and model spec")
@@ -113,6 +115,7 @@ def export_model(model_dir: Path, output_dir: Path, scorer_dir: Path | None = No
         "model_spec": json.loads((output_dir / "model_spec.json").read_text()),
         "parity": parity.as_dict(),
         "step_variants_max_abs_diff": check_variants(decoder_path),
+        "mixed_step_max_abs_diff": check_mixed_step(decoder_path),
         "sliding_window": sliding_window,
         "torch": torch.__version__,
     }
@@ -125,6 +128,8 @@ def export_model(model_dir: Path, output_dir: Path, scorer_dir: Path | None = No
     )
     if report["step_variants_max_abs_diff"] > 1e-5:
         raise ExportError(f"the lean step variants differ from the exported step: {report['step_variants_max_abs_diff']:.2e}")
+    if report["mixed_step_max_abs_diff"] > 1e-5 * max(1.0, parity.logit_scale):
+        raise ExportError(f"the mixed step differs from the exported step: {report['mixed_step_max_abs_diff']:.2e}")
     if not parity.passed:
         raise ExportError(f"parity check failed: {parity.as_dict()} (report in {output_dir / REPORT_FILENAME})")
 

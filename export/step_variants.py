@@ -1,4 +1,5 @@
-"""Lean variants of the exported decoder step, for the serving engine's hot path.
+"""Lean variants of the exported decoder step, for the serving engine's hot path (and the check of
+the mixed decode + prompt step, exported from torch by export/onnx_export.py).
 
 Why: the exported step (the contract, checked for parity) returns logits for every new position and
 the attention every query put on every slot, (L, B, Hq, T, S) and (L, B, Hq, T, T). The engine samples
@@ -131,6 +132,47 @@ def check_variants(decoder_path: Path, seed: int = 0) -> float:
             if value.shape != reference[output.name].shape:
                 raise ValueError(f"{path.name}: {output.name} has shape {value.shape}, expected {reference[output.name].shape}")
             worst = max(worst, float(np.abs(value - reference[output.name]).max()))
+    return worst
+
+
+def check_mixed_step(decoder_path: Path, seed: int = 0) -> float:
+    """Largest difference between the mixed step's outputs (export/onnx_export.py) and the full step's
+    run on each segment alone, on random inputs: both segments, and each one empty."""
+    import onnxruntime as ort
+
+    from kvpop.decoder import mixed_step_path
+    from kvpop.model_spec import ModelSpec
+
+    decoder_path = Path(decoder_path)
+    spec = ModelSpec.load(decoder_path.parent)
+    rng = np.random.default_rng(seed)
+
+    def segment(batch: int, tokens: int, slots: int) -> dict[str, np.ndarray]:
+        shape = (spec.num_layers, batch, spec.num_kv_heads, slots, spec.head_dim)
+        return {
+            "input_ids": rng.integers(0, spec.vocab_size, (batch, tokens)).astype(np.int64),
+            "position_ids": np.tile(np.arange(slots, slots + tokens, dtype=np.int64), (batch, 1)),
+            "past_key": rng.standard_normal(shape).astype(np.float32),
+            "past_value": rng.standard_normal(shape).astype(np.float32),
+            "slot_mask": rng.random((batch, slots)) < 0.8,
+        }
+
+    full = ort.InferenceSession(str(decoder_path), providers=["CPUExecutionProvider"])
+    mixed = ort.InferenceSession(str(mixed_step_path(decoder_path)), providers=["CPUExecutionProvider"])
+    worst = 0.0
+    for decode, prompt in ((segment(3, 1, 7), segment(2, 5, 9)), (segment(0, 1, 7), segment(2, 5, 9)), (segment(3, 1, 7), segment(0, 1, 0))):
+        feed = {f"decode_{name}": value for name, value in decode.items()} | {f"prompt_{name}": value for name, value in prompt.items()}
+        outputs = mixed.run(None, feed)
+        for inputs, (logits, new_key, new_value) in ((decode, outputs[:3]), (prompt, outputs[3:])):
+            if len(inputs["input_ids"]) == 0:
+                if logits.shape[0] or new_key.shape[1]:
+                    raise ValueError(f"an empty segment gave outputs of shapes {logits.shape}, {new_key.shape}")
+                continue
+            reference = full.run(None, inputs)
+            for value, expected in ((logits, reference[0][:, -1:]), (new_key, reference[1]), (new_value, reference[2])):
+                if value.shape != expected.shape:
+                    raise ValueError(f"mixed step output of shape {value.shape}, expected {expected.shape}")
+                worst = max(worst, float(np.abs(value - expected).max()))
     return worst
 
 

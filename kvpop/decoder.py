@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import onnxruntime as ort
@@ -14,11 +15,26 @@ from kvpop.model_spec import ModelSpec
 
 # Where export writes the lean step variants (export/step_variants.py; kept in sync with it).
 LEAN_SUFFIX, ATTENTION_SUFFIX = ".last.onnx", ".last_attention.onnx"
+MIXED_SUFFIX = ".mixed.onnx"  # export/onnx_export.py: a decode batch and prompt pieces in one call
 
 
 def variant_paths(decoder_path: Path) -> dict[str, Path]:
     stem = str(Path(decoder_path).with_suffix(""))
     return {"lean": Path(stem + LEAN_SUFFIX), "attention": Path(stem + ATTENTION_SUFFIX)}
+
+
+def mixed_step_path(decoder_path: Path) -> Path:
+    return Path(str(Path(decoder_path).with_suffix("")) + MIXED_SUFFIX)
+
+
+class StepInputs(NamedTuple):
+    """One segment of a decoder call: B sequences' T new tokens over their own caches."""
+
+    input_ids: np.ndarray  # (B, T) int64
+    position_ids: np.ndarray  # (B, T) int64
+    past_key: "np.ndarray | ort.OrtValue"  # (L, B, Hkv, S, D); an OrtValue: the device-resident pool
+    past_value: "np.ndarray | ort.OrtValue"  # (L, B, Hkv, S, D)
+    slot_mask: np.ndarray  # (B, S) bool
 
 
 @dataclass
@@ -43,6 +59,11 @@ class DecoderStep:
     `run(..., last_only=True, attention=False)` takes the lean variants export wrote beside the step
     (export/step_variants.py: last-position logits; attention only when asked), the serving hot path.
     An export without them falls back to the full step (same values, more work).
+    `run_mixed(decode, prompt)` runs a decode batch and prompt pieces in one call (the mixed step,
+    export/onnx_export.py: the weights are read once for both); with it, lean calls run through it too
+    (an empty segment beside), so the lean graph's session, another copy of the weights, is never built.
+
+    `mixed=False` ignores the mixed step (every call separate, as before it existed: for comparisons).
 
     `resident`: keep the batch pool's cache in the decoder's device memory between steps (IO binding,
     kvpop.cache.device_store). Default: on when the CUDA provider runs the step; "cpu" works too. The
@@ -57,6 +78,7 @@ class DecoderStep:
         device_id: int = 0,
         threads: int | None = None,
         resident: bool | None = None,
+        mixed: bool = True,
     ):
         self.model_dir = Path(model_dir)
         self.spec = ModelSpec.load(self.model_dir)
@@ -76,8 +98,14 @@ class DecoderStep:
         self._files = {(False, True): decoder_path}
         if variants["lean"].exists() and variants["attention"].exists():
             self._files[(True, False)], self._files[(True, True)] = variants["lean"], variants["attention"]
+        self._mixed_file = mixed_step_path(decoder_path) if mixed else None  # mixed=False: separate calls (A/B)
+        self._mixed: ort.InferenceSession | None = None
         self._sessions: dict[tuple[bool, bool], ort.InferenceSession] = {}
-        first = self._load((True, False) if self.has_lean_variants else (False, True))
+        if self.has_mixed_step:
+            self._mixed = ort.InferenceSession(str(self._mixed_file), sess_options=options, providers=providers)
+            first = self._mixed
+        else:
+            first = self._load((True, False) if self.has_lean_variants else (False, True))
         self.dtype = np.dtype(self.spec.dtype)
         on_cuda = "CUDAExecutionProvider" in first.get_providers()
         self.device_store: DeviceKVStore | None = None
@@ -97,6 +125,11 @@ class DecoderStep:
     @property
     def has_lean_variants(self) -> bool:
         return (True, False) in self._files
+
+    @property
+    def has_mixed_step(self) -> bool:
+        """Whether the export has the mixed decode + prompt step (`run_mixed`)."""
+        return self._mixed_file is not None and self._mixed_file.exists()
 
     def _session(self, last_only: bool, attention: bool) -> ort.InferenceSession:
         if not last_only or not self.has_lean_variants:
@@ -120,46 +153,52 @@ class DecoderStep:
     ) -> StepOutput:
         """`last_only`: logits of the last new position only (B, 1, V); `attention`: False allows a
         step that returns no attention (None), for policies that never read it."""
+        inputs = StepInputs(input_ids, position_ids, past_key, past_value, slot_mask)
+        if last_only and not attention and self._mixed is not None:
+            return self.run_mixed(self._empty_segment(), inputs)[1]
         session = self._session(last_only, attention)
-        if isinstance(past_key, ort.OrtValue):
-            return self._run_bound(session, input_ids, position_ids, past_key, past_value, slot_mask, last_only)
-        outputs = session.run(
-            None,
-            {
-                "input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
-                "position_ids": np.ascontiguousarray(position_ids, dtype=np.int64),
-                "past_key": np.ascontiguousarray(past_key, dtype=self.dtype),
-                "past_value": np.ascontiguousarray(past_value, dtype=self.dtype),
-                "slot_mask": np.ascontiguousarray(slot_mask, dtype=bool),
-            },
-        )
-        return self._output(session, outputs, last_only)
-
-    @staticmethod
-    def _output(session: ort.InferenceSession, outputs: list[np.ndarray], last_only: bool) -> StepOutput:
+        outputs = self._run(session, self._feed(inputs))
         named = dict(zip((output.name for output in session.get_outputs()), outputs))
         if last_only and named["logits"].shape[1] != 1:
             named["logits"] = named["logits"][:, -1:]
         return StepOutput(**named)
 
-    def _run_bound(
-        self,
-        session: ort.InferenceSession,
-        input_ids: np.ndarray,
-        position_ids: np.ndarray,
-        key: ort.OrtValue,
-        value: ort.OrtValue,
-        slot_mask: np.ndarray,
-        last_only: bool,
-    ) -> StepOutput:
-        """A step over a cache already in device memory (IO binding: the cache is not copied)."""
+    def run_mixed(self, decode: StepInputs, prompt: StepInputs) -> tuple[StepOutput, StepOutput]:
+        """One call for a decode batch (T = 1) and prompt pieces of other sequences (T tokens each):
+        last-position logits and new keys/values of each, no attention. Either may be empty (B = 0)."""
+        if self._mixed is None:
+            raise RuntimeError(f"no mixed step for {self.model_dir} (not exported, or mixed=False)")
+        feed = {f"decode_{name}": value for name, value in self._feed(decode).items()}
+        feed.update({f"prompt_{name}": value for name, value in self._feed(prompt).items()})
+        decode_logits, decode_key, decode_value, prompt_logits, prompt_key, prompt_value = self._run(self._mixed, feed)
+        return StepOutput(decode_logits, decode_key, decode_value), StepOutput(prompt_logits, prompt_key, prompt_value)
+
+    def _empty_segment(self) -> StepInputs:
+        """A segment of no sequences (B = 0), beside a mixed call's only real one."""
+        past_key, past_value, slot_mask = self.empty_cache(batch=0)
+        nothing = np.zeros((0, 1), np.int64)
+        return StepInputs(nothing, nothing, past_key, past_value, slot_mask)
+
+    def _feed(self, inputs: StepInputs) -> dict[str, "np.ndarray | ort.OrtValue"]:
+        """A segment as the graph's inputs: contiguous arrays of its dtypes (device arrays as they are)."""
+        dtypes = {"input_ids": np.int64, "position_ids": np.int64, "past_key": self.dtype, "past_value": self.dtype, "slot_mask": bool}
+        return {
+            name: value if isinstance(value, ort.OrtValue) else np.ascontiguousarray(value, dtype=dtypes[name])
+            for name, value in inputs._asdict().items()
+        }
+
+    @staticmethod
+    def _run(session: ort.InferenceSession, feed: dict[str, "np.ndarray | ort.OrtValue"]) -> list[np.ndarray]:
+        """Run `session`; a cache already in device memory is bound in place (IO binding: not copied)."""
+        if not any(isinstance(value, ort.OrtValue) for value in feed.values()):
+            return session.run(None, feed)
         binding = session.io_binding()
-        binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
-        binding.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))
-        binding.bind_ortvalue_input("past_key", key)
-        binding.bind_ortvalue_input("past_value", value)
-        binding.bind_cpu_input("slot_mask", np.ascontiguousarray(slot_mask, dtype=bool))
+        for name, value in feed.items():
+            if isinstance(value, ort.OrtValue):
+                binding.bind_ortvalue_input(name, value)
+            else:
+                binding.bind_cpu_input(name, value)
         for output in session.get_outputs():  # small: logits, the new tokens' k/v, attention rows
             binding.bind_output(output.name, "cpu")
         session.run_with_iobinding(binding)
-        return self._output(session, binding.copy_outputs_to_cpu(), last_only)
+        return binding.copy_outputs_to_cpu()

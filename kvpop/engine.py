@@ -13,7 +13,8 @@ outputs never depend on what else is running. Sequences of
 different lengths and budgets share the decode step through the batch pool (padded slots are
 masked); full kvpop caches append their decode tokens in vectorised groups (kvpop.cache.decode_batch).
 The decoder step returns last-position logits only, and attention only when a policy in the call
-reads it.
+reads it; when none in the step does, the decode step and the step's first prompt pieces run as one
+mixed call (kvpop.decoder.DecoderStep.run_mixed: the weights are read once for both).
 Everything about where the keys and values live (slot caches, the batch pool and its device mirror,
 sessions kept between turns) is the cache manager's (`kvpop.cache.manager`); the engine asks it.
 `add_request` and `cancel` may be called from other threads: they only touch the queue under the
@@ -35,7 +36,7 @@ import numpy as np
 from kvpop.cache import SlotCache
 from kvpop.cache.manager import Allocation, CacheManager, PrefixCache
 from kvpop.cache.staged_chunk import StagedChunk
-from kvpop.decoder import DecoderStep, StepOutput
+from kvpop.decoder import DecoderStep, StepInputs, StepOutput
 from kvpop.prefill_pacer import PrefillPacer
 from kvpop.policies import POLICIES, EvictionPolicy, TokenScorer, make_policy
 from kvpop.sampling import Sampler, SamplingParams
@@ -342,10 +343,7 @@ class Engine:
             else:  # restored already prefilled (benchmarks/speed.py's snapshots)
                 self._running[request.request_id] = sequence
                 events.append(self._accept(sequence, sequence.pending_token))
-        decoding = list(self._running.values())
-        if decoding:
-            events.extend(self._decode(decoding))
-        events.extend(self._prefill_step(decoding=bool(decoding)))
+        events.extend(self._decode_and_prefill(list(self._running.values())))
         if not self._running:
             self.cache_manager.release_batch()
         return events
@@ -354,7 +352,7 @@ class Engine:
 
     def _new_sequence(self, request: GenerationRequest) -> _Sequence:
         """An admitted request's sequence with the cache the manager gives it (empty, a session's
-        saved state or a warm prefix's); the rest of its prompt is fed by `_prefill_step`."""
+        saved state or a warm prefix's); the rest of its prompt is fed by `_decode_and_prefill`."""
         allocation = self.cache_manager.allocate(request)
         return _Sequence(
             request=request, allocation=allocation, sampler=Sampler(request.sampling),
@@ -402,21 +400,27 @@ class Engine:
         history = (request.prompt_ids + sequence.output_ids)[: cache.tokens_seen]
         self.cache_manager.save_session(request.session_id, cache, history, request.cache)
 
-    def _prefill_step(self, decoding: bool) -> list[TokenEvent]:
-        """Feed admitted prompts under the step's token budget: `max_step_tokens` while streams decode
-        (the longest a running stream waits for prompt work between two of its tokens), and at least
-        one whole `prefill_chunk` when none does. `decoding`: this step decoded tokens, even if every
-        such stream just finished: their last tokens leave with this step's events, so they wait too.
+    def _decode_and_prefill(self, decoding: list[_Sequence]) -> list[TokenEvent]:
+        """This step's model work: one decode step of the running sequences, and admitted prompts fed
+        under the step's token budget: `max_step_tokens` while streams decode (the longest a running
+        stream waits for prompt work between two of its tokens), at least one whole `prefill_chunk`
+        when none does. The budget stands even if every decoded stream just finished: their last
+        tokens leave with this step's events, so they wait too.
 
         In rounds: each round takes, first come first served, the next piece of every prompt: the rest
         of its current chunk, cut to what is left of the budget. A chunk cut in pieces still enters its
         cache once, whole (kvpop.cache.staged_chunk), so answers do not depend on the load. Pieces of
-        equal length run as one call. A prompt whose last chunk went in samples its first token."""
+        equal length run as one call, and the first such call takes the decode step along (the mixed
+        step: the weights are read once for both) when the export has it and no cache in either reads
+        attention. A prompt whose last chunk went in samples its first token."""
         if not decoding:
             budget = max(self.max_step_tokens, self.prefill_chunk)
         else:
             budget = self.max_step_tokens if self.pacer is None else self.pacer.step_tokens(self.max_step_tokens)
-        events, used, started = [], 0, time.perf_counter()
+        mixed = bool(decoding) and self.decoder.has_mixed_step and not self._reads_attention(decoding)
+        events = self._decode(decoding) if decoding and not mixed else []
+        decode_events: list[TokenEvent] = []
+        used, started = 0, time.perf_counter()
         while self._prefilling and used < budget:
             pieces: dict[int, list[_Sequence]] = {}  # piece length -> sequences (one batched call each)
             for sequence in self._prefilling.values():
@@ -428,7 +432,11 @@ class Engine:
             if not pieces:  # what is left of the budget is too small to start any piece
                 break
             for length, sequences in pieces.items():
-                out = self._run_piece(sequences, length)
+                if mixed and not self._reads_attention(sequences):
+                    decode_events, out = self._run_mixed(decoding, sequences, length)
+                    mixed = False
+                else:
+                    out = self._run_piece(sequences, length)
                 for row, sequence in enumerate(sequences):
                     if sequence.prompt_left == 0:
                         sequence.pending_token = sequence.sampler(out.logits[row, -1])
@@ -436,28 +444,49 @@ class Engine:
                         self._running[sequence.request.request_id] = sequence
                         events.append(self._accept(sequence, sequence.pending_token))
         if self.pacer is not None and decoding and used:
-            self.pacer.observe_prefill(time.perf_counter() - started, used)
-        return events
+            prompt_seconds = time.perf_counter() - started
+            if decode_events and self.pacer.decode_seconds is not None:  # the decode shared a call: its usual share
+                prompt_seconds -= self.pacer.decode_seconds
+            self.pacer.observe_prefill(prompt_seconds, used)
+        if mixed:  # no prompt piece to share the call with
+            decode_events = self._decode(decoding)
+        return decode_events + events
+
+    @staticmethod
+    def _reads_attention(sequences: list[_Sequence]) -> bool:
+        return any(sequence.cache.policy.needs_attention for sequence in sequences)
 
     def _run_piece(self, sequences: list[_Sequence], length: int) -> StepOutput:
         """The next `length` prompt tokens of each sequence (at most the rest of its current chunk)
         through one decoder call, after its cache and its chunk's staged pieces. A sequence whose chunk
         this completes has it appended to its cache; otherwise the piece is staged."""
+        out = self.decoder.run(*self._piece_inputs(sequences, length), last_only=True, attention=self._reads_attention(sequences))
+        self._store_piece(sequences, length, out)
+        return out
+
+    def _run_mixed(self, decoding: list[_Sequence], sequences: list[_Sequence], length: int) -> tuple[list[TokenEvent], StepOutput]:
+        """The decode step of `decoding` and a prompt piece of `sequences` in one (mixed) decoder call."""
+        decode_out, piece_out = self.decoder.run_mixed(self._decode_inputs(decoding), self._piece_inputs(sequences, length))
+        self._store_piece(sequences, length, piece_out)
+        return self._store_decode(decoding, decode_out), piece_out
+
+    def _piece_inputs(self, sequences: list[_Sequence], length: int) -> StepInputs:
         caches = [sequence.cache for sequence in sequences]
         starts = [sequence.prefilled for sequence in sequences]
         input_ids = np.array([sequence.request.prompt_ids[start : start + length] for sequence, start in zip(sequences, starts)], np.int64)
         positions = np.array([np.arange(start, start + length) for start in starts], np.int64)  # (B, T)
+        past_key, past_value, slot_mask = self.cache_manager.prefill_inputs(caches, [sequence.staged for sequence in sequences])
+        return StepInputs(input_ids, positions, past_key, past_value, slot_mask)
+
+    def _store_piece(self, sequences: list[_Sequence], length: int, out: StepOutput) -> None:
+        caches = [sequence.cache for sequence in sequences]
         staged = [sequence.staged for sequence in sequences]
         # A cache that evicts nothing (the full cache) takes a piece as it comes: appending it now is
         # what appending the whole chunk later would do. A bounded one waits for its whole chunk.
         complete = [length == sequence.chunk_left or not sequence.cache.policy.evicts for sequence in sequences]
-        past_key, past_value, slot_mask = self.cache_manager.prefill_inputs(caches, staged)
-        attention = any(cache.policy.needs_attention for cache in caches)
-        out = self.decoder.run(input_ids, positions, past_key, past_value, slot_mask, last_only=True, attention=attention)
         for sequence, piece in zip(sequences, self.cache_manager.store_pieces(caches, staged, complete, out)):
             sequence.staged = piece
             sequence.prefilled += length
-        return out
 
     def _prefill(self, request: GenerationRequest) -> _Sequence:
         """A request's whole prompt fed alone, chunk by chunk, with token 1 sampled (benchmarks)."""
@@ -473,16 +502,24 @@ class Engine:
         return out
 
     def _decode(self, sequences: list[_Sequence]) -> list[TokenEvent]:
+        """One decode step of `sequences` in its own decoder call."""
         started = time.perf_counter()
+        out = self.decoder.run(*self._decode_inputs(sequences), last_only=True, attention=self._reads_attention(sequences))
+        events = self._store_decode(sequences, out)
+        if self.pacer is not None:  # a decode step alone: what the prefill pacer sizes prompt work by
+            self.pacer.observe_decode(time.perf_counter() - started)
+        return events
+
+    def _decode_inputs(self, sequences: list[_Sequence]) -> StepInputs:
         caches = [sequence.cache for sequence in sequences]
         past_key, past_value, slot_mask = self.cache_manager.decode_inputs(caches)  # the pool's arrays, no copy
         input_ids = np.array([[sequence.pending_token] for sequence in sequences], dtype=np.int64)  # (B, 1)
         positions = np.array([[cache.tokens_seen] for cache in caches], dtype=np.int64)  # (B, 1)
-        attention = any(cache.policy.needs_attention for cache in caches)
-        out = self.decoder.run(input_ids, positions, past_key, past_value, slot_mask, last_only=True, attention=attention)
-        self.cache_manager.store_decode(caches, out)
-        if self.pacer is not None:
-            self.pacer.observe_decode(time.perf_counter() - started)
+        return StepInputs(input_ids, positions, past_key, past_value, slot_mask)
+
+    def _store_decode(self, sequences: list[_Sequence], out: StepOutput) -> list[TokenEvent]:
+        """Append the decode step's new tokens and sample the next ones."""
+        self.cache_manager.store_decode([sequence.cache for sequence in sequences], out)
         return [self._accept(sequence, sequence.sampler(out.logits[row, -1])) for row, sequence in enumerate(sequences)]
 
     def _accept(self, sequence: _Sequence, token: int) -> TokenEvent:

@@ -20,6 +20,27 @@ def test_export_report_shows_parity(tiny_onnx_model_dir):
     assert report["parity"]["decode_max_abs_diff"] <= 1e-4
 
 
+def test_mixed_step_equals_the_step_on_each_segment_and_shares_its_weights(tiny_onnx_model_dir):
+    """The mixed decode + prompt step gives the step's outputs for each segment (either may be empty),
+    and its weights are the step's external-data file (no second copy on disk)."""
+    import onnx
+
+    from export.step_variants import check_mixed_step
+    from kvpop.decoder import mixed_step_path
+
+    report = json.loads((tiny_onnx_model_dir / "export_report.json").read_text())
+    assert report["mixed_step_max_abs_diff"] <= 1e-5
+    spec = ModelSpec.load(tiny_onnx_model_dir)
+    decoder_path = tiny_onnx_model_dir / spec.decoder_file
+    assert check_mixed_step(decoder_path, seed=3) <= 1e-5
+    mixed = onnx.load(str(mixed_step_path(decoder_path)), load_external_data=False)
+    locations = {entry.value for initializer in mixed.graph.initializer for entry in initializer.external_data if entry.key == "location"}
+    assert locations == {spec.decoder_file + ".data"}
+    inline = sum(len(initializer.raw_data) for initializer in mixed.graph.initializer)
+    assert inline < 4096  # a few small constants; every weight matrix is the step's
+    assert not (tiny_onnx_model_dir / (mixed_step_path(decoder_path).name + ".data")).exists()
+
+
 def test_model_spec_describes_the_model(tiny_onnx_model_dir, tiny_hf_model_dir):
     spec = ModelSpec.load(tiny_onnx_model_dir)
     config = json.loads((tiny_hf_model_dir / "config.json").read_text())

@@ -122,7 +122,7 @@ def test_prefill_chunks_of_several_prompts_are_batched(decoder, policy):
         return original(input_ids, *args, **kwargs)
 
     engine.decoder = type("Counting", (), {"run": staticmethod(counting_run), "spec": decoder.spec,
-                                           "empty_cache": decoder.empty_cache})()
+                                           "empty_cache": decoder.empty_cache, "has_mixed_step": False})()
     assert [r.output_ids for r in engine.generate(batch)] == alone
     assert any(batch_size > 1 and tokens == 8 for batch_size, tokens in calls)  # a batched prefill call
 
@@ -232,3 +232,61 @@ def test_the_step_that_ends_the_last_stream_keeps_the_step_budget(decoder):
     assert "long" in engine._prefilling  # the next step, with nothing decoding, takes a whole chunk
     engine.step()
     assert engine._prefilling["long"].prefilled > 16
+
+
+def counted(decoder: DecoderStep) -> dict[str, int]:
+    """Count `decoder`'s calls by kind (instance attributes wrap its methods)."""
+    calls = {"run": 0, "run_mixed": 0}
+    for name in calls:
+        original = getattr(decoder, name)
+
+        def wrapper(*args, _original=original, _name=name, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        setattr(decoder, name, wrapper)
+    return calls
+
+
+@pytest.mark.parametrize("policy", ["full", "streaming", "random", "kvpop:mlstm", "h2o"])
+def test_the_decode_step_and_a_prompt_piece_share_one_mixed_call(tiny_onnx_model_dir, policy):
+    """With the mixed step exported, a step that decodes running streams and feeds a piece of a new
+    prompt makes one decoder call instead of two, and every answer and the new prompt's cache are
+    those of separate calls. A policy that reads attention (h2o) keeps separate calls."""
+    from kvpop.engine import load_learned_scorers
+
+    scorers = load_learned_scorers(tiny_onnx_model_dir)
+    if policy == "kvpop:mlstm":
+        config = CacheConfig(policy="kvpop", budget=40, sinks=2, scorer="mlstm")
+    else:
+        config = cache_config(policy)
+    results = {}
+    for mixed in (True, False):
+        decoder = DecoderStep(tiny_onnx_model_dir, threads=1, mixed=mixed)
+        assert decoder.has_mixed_step == mixed
+        calls = counted(decoder)
+        engine = Engine(decoder, max_batch_size=4, prefill_chunk=8, max_step_tokens=8, learned_scorers=scorers)
+        streams = [GenerationRequest(f"s{i}", prompt, SamplingParams(max_tokens=30, ignore_eos=True), config)
+                   for i, prompt in enumerate(RUNNING_PROMPTS)]
+        for stream in streams:
+            engine.add_request(stream)
+        for _ in range(3):  # the streams are decoding
+            engine.step()
+        engine.add_request(GenerationRequest("long", LONG_PROMPT, SamplingParams(max_tokens=6, ignore_eos=True), config))
+        before = dict(calls)
+        cache = prefilled_cache(engine, "long")
+        prefill_steps = {name: calls[name] - before[name] for name in calls}
+        while engine.has_unfinished():
+            engine.step()
+        results[mixed] = (prefill_steps, cache, {r: engine.result(r).output_ids for r in ["long", "s0", "s1", "s2"]})
+    (mixed_calls, mixed_cache, mixed_answers), (separate_calls, separate_cache, separate_answers) = results[True], results[False]
+    assert mixed_answers == separate_answers
+    np.testing.assert_array_equal(mixed_cache.position, separate_cache.position)
+    np.testing.assert_allclose(mixed_cache.key, separate_cache.key, atol=1e-5)
+    assert separate_calls["run_mixed"] == 0
+    steps = len(LONG_PROMPT) // 8  # one 8-token piece per step, each beside the streams' decode step
+    if policy == "h2o":
+        assert mixed_calls == separate_calls  # attention is read: no mixed call
+    else:
+        assert mixed_calls["run_mixed"] == steps and mixed_calls["run"] == 0
+        assert separate_calls["run"] == 2 * steps

@@ -63,7 +63,8 @@ _CLASSES_WRAPPED = []
 
 def instrument(engine: Engine) -> None:
     """Timers around the parts of a step (class attributes once, so every sequence's objects are covered)."""
-    wrap(engine.decoder, "run", "decoder (ONNX run + outputs to host)")  # prefill and decode steps alike
+    wrap(engine.decoder, "_run", "decoder (ONNX run + outputs to host)")  # every call: prefill, decode, mixed
+    wrap(engine, "_run_mixed", "  decode step + prompt piece in one mixed call (incl. their stores)")
     if not _CLASSES_WRAPPED:
         wrap(slot_cache_module.SlotCache, "append", "cache.append (policy + writes)")
         wrap(KVpopPolicy, "observe", "  kvpop policy.observe (incl. scorer)")
@@ -178,12 +179,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="also run --reason-streams prompts of 512 tokens with this many output tokens each (workload (b))")
     parser.add_argument("--reason-streams", type=int, default=8, help="sequences of the reasoning scenario")
     parser.add_argument("--scenarios", nargs="+", choices=["one", "loaded", "reasoning"], default=["one", "loaded", "reasoning"])
+    parser.add_argument("--no-mixed", action="store_true",
+                        help="run decode steps and prompt pieces in separate decoder calls even when the export has the mixed step")
     args = parser.parse_args(argv)
 
     results: dict[str, dict] = defaultdict(dict)
     for policy in args.policies:
         engine = Engine(
-            DecoderStep(args.model), max_batch_size=max(16, args.reason_streams), prefill_chunk=args.prefill_chunk,
+            DecoderStep(args.model, mixed=not args.no_mixed), max_batch_size=max(16, args.reason_streams), prefill_chunk=args.prefill_chunk,
             learned_scorers=load_learned_scorers(args.model), prefill_pacing=args.prefill_pacing or None,
         )
         instrument(engine)
@@ -197,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"model": str(args.model), "prefill_chunk": args.prefill_chunk, "prefill_pacing": args.prefill_pacing,
+                                        "mixed_step": engine.decoder.has_mixed_step,
                                         "reason_streams": args.reason_streams, "results": results}, indent=2) + "\n")
         args.out.with_suffix(".md").write_text(text.lstrip() + "\n")
     return 0

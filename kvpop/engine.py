@@ -481,10 +481,8 @@ class Engine:
     def _store_piece(self, sequences: list[_Sequence], length: int, out: StepOutput) -> None:
         caches = [sequence.cache for sequence in sequences]
         staged = [sequence.staged for sequence in sequences]
-        # A cache that evicts nothing (the full cache) takes a piece as it comes: appending it now is
-        # what appending the whole chunk later would do. A bounded one waits for its whole chunk.
-        complete = [length == sequence.chunk_left or not sequence.cache.policy.evicts for sequence in sequences]
-        for sequence, piece in zip(sequences, self.cache_manager.store_pieces(caches, staged, complete, out)):
+        chunk_lengths = [(0 if sequence.staged is None else sequence.staged.length) + sequence.chunk_left for sequence in sequences]
+        for sequence, piece in zip(sequences, self.cache_manager.store_pieces(caches, staged, chunk_lengths, out)):
             sequence.staged = piece
             sequence.prefilled += length
 

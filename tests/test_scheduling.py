@@ -290,3 +290,48 @@ def test_the_decode_step_and_a_prompt_piece_share_one_mixed_call(tiny_onnx_model
     else:
         assert mixed_calls["run_mixed"] == steps and mixed_calls["run"] == 0
         assert separate_calls["run"] == 2 * steps
+
+
+def test_a_learned_scorer_takes_a_staged_chunk_in_piece_by_piece(tiny_onnx_model_dir):
+    """kvpop with the learned mLSTM scorer, its chunk cut in pieces beside running streams: the scorer
+    takes each piece in as it is computed (`KVpopPolicy.stage`), so the step that completes the chunk
+    runs no scorer call for it, and the cache (kept positions, keys, scores) and the answers are those
+    of whole chunks."""
+    from kvpop.engine import load_learned_scorers
+    from kvpop.policies.kvpop import SCORE
+
+    scorers = load_learned_scorers(tiny_onnx_model_dir)
+    config = CacheConfig(policy="kvpop", budget=24, sinks=2, scorer="mlstm")
+    long = lambda: GenerationRequest("long", LONG_PROMPT, SamplingParams(max_tokens=6, ignore_eos=True), config)  # noqa: E731
+    decoder = DecoderStep(tiny_onnx_model_dir, threads=1)
+    whole = Engine(decoder, prefill_chunk=24, learned_scorers=scorers)
+    whole.add_request(long())
+    expected = prefilled_cache(whole, "long")
+    engine = Engine(decoder, max_batch_size=4, prefill_chunk=24, max_step_tokens=5, learned_scorers=scorers)
+    for i, prompt in enumerate(RUNNING_PROMPTS):
+        engine.add_request(GenerationRequest(f"s{i}", prompt, SamplingParams(max_tokens=60, ignore_eos=True), config))
+    engine.step()
+    engine.add_request(long())
+    runtime = scorers["mlstm"].runtime
+    calls, original = [], runtime.step
+    runtime.step = lambda *args, **kwargs: (calls.append(args[1].shape[2]), original(*args, **kwargs))[1]  # rows per call
+    try:
+        completions = 0
+        while "long" not in engine._running:
+            sequence = engine._prefilling.get("long")
+            staged_before = 0 if sequence is None or sequence.staged is None else sequence.staged.length
+            calls.clear()
+            engine.step()
+            if staged_before and sequence.staged is None:  # this step completed a chunk cut in pieces
+                completions += 1
+                assert max(calls, default=0) <= 5  # only this step's piece went through the scorer
+    finally:
+        runtime.step = original
+    assert completions >= 2
+    cache = engine._running["long"].cache
+    np.testing.assert_array_equal(cache.position, expected.position)
+    np.testing.assert_allclose(cache.key, expected.key, atol=1e-5)
+    np.testing.assert_allclose(cache.statistics[SCORE], expected.statistics[SCORE], atol=1e-4)
+    while engine.has_unfinished() or whole.has_unfinished():
+        engine.step(), whole.step()
+    assert engine.result("long").output_ids == whole.result("long").output_ids

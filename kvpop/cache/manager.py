@@ -187,13 +187,16 @@ class CacheManager:
 
     @staticmethod
     def store_pieces(
-        caches: list[SlotCache], staged: "list[StagedChunk | None]", complete: list[bool], out: "StepOutput"
+        caches: list[SlotCache], staged: "list[StagedChunk | None]", chunk_lengths: list[int], out: "StepOutput"
     ) -> "list[StagedChunk | None]":
-        """Row r of a prompt call (a whole chunk or a piece of one): staged after `staged[r]`, and
-        appended to caches[r] with the pieces before it when `complete[r]` (its chunk is whole). Each
+        """Row r of a prompt call (a whole chunk or a piece of one): staged after `staged[r]` (the policy
+        sees the piece: `EvictionPolicy.stage`), and appended to caches[r] with the pieces before it
+        once its chunk of `chunk_lengths[r]` tokens is whole. A cache that evicts nothing takes every
+        piece as it comes (appending it now is what appending the whole chunk later would do). Each
         row's staged chunk after the call (None: in its cache)."""
-        after = []
-        for row, (cache, piece, done) in enumerate(zip(caches, staged, complete)):
+        after, length = [], out.new_key.shape[3]
+        for row, (cache, piece, chunk_length) in enumerate(zip(caches, staged, chunk_lengths)):
+            done = (0 if piece is None else piece.length) + length == chunk_length or not cache.policy.evicts
             if piece is None and done:
                 append_output(cache, out, row)
                 after.append(None)
@@ -205,6 +208,7 @@ class CacheManager:
                 piece = StagedChunk.first(cache.capacity, key, value, attention, chunk_attention)
             else:
                 piece.add(key, value, attention, chunk_attention)
+            cache.policy.stage(cache, piece, slice(piece.length - length, piece.length), chunk_length)
             if done:
                 cache.append(piece.key, piece.value, piece.attention, piece.chunk_attention)
                 piece = None

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 if TYPE_CHECKING:
+    from kvpop.cache.staged_chunk import StagedChunk
     from kvpop.cache.slot_cache import Candidates, CacheUpdate, SlotCache
 
 PROTECTED = np.float32(np.inf)  # priority of a token a policy promises never to evict
@@ -57,6 +58,11 @@ class EvictionPolicy(ABC):
     def observe(self, cache: "SlotCache", update: "CacheUpdate") -> StatisticsUpdate:
         """The statistics after the new tokens: theirs (L, Hkv, T) and the cached slots' that changed."""
         return StatisticsUpdate()
+
+    def stage(self, cache: "SlotCache", staged: "StagedChunk", rows: slice, chunk_length: int) -> None:
+        """Rows `rows` of a prompt chunk of `chunk_length` tokens were computed, held in `staged`, which
+        enters `cache` whole (`observe` then sees the whole chunk) once complete. A policy may take the
+        rows into its state now, so that the completing step does less; by default nothing happens."""
 
     @abstractmethod
     def score(self, cache: "SlotCache", candidates: "Candidates") -> np.ndarray:

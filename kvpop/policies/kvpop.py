@@ -95,5 +95,32 @@ class KVpopPolicy(EvictionPolicy):
         new_statistics[SCORE][:, :, new_tokens] = scores[..., old_count:]
         return StatisticsUpdate(new_statistics, {**scorer_update.cached, SCORE: cached_score})
 
+    def stage(self, cache, staged, rows: slice, chunk_length: int) -> None:
+        """Let a learned scorer take a staged chunk's rows in now (`LearnedScorer.take_piece`), each
+        paired with the token that leaves the window when it arrives, as `observe` pairs the whole
+        chunk's: the chunk's completing step then only looks the scores up (a 246-token SmolLM2 chunk's
+        scorer work, ~45 ms, would otherwise land on one engine step)."""
+        if not getattr(self._scorer, "takes_pieces", False):
+            return
+        sinks, window = self.protected_counts(cache.budget)
+        seen = cache.tokens_seen  # unchanged while the chunk is staged
+        first, stop = max(seen - window, sinks), seen + chunk_length - window
+        offset = chunk_length - max(stop - first, 0)  # the leaving tokens pair with the chunk's last rows
+        row = np.arange(rows.start, rows.stop)
+        partner = np.where(row >= offset, first + row - offset, -1)  # (t,) position leaving at each row
+        num_layers, num_kv_heads, _, head_dim = staged.key.shape
+        leaving_key = np.zeros((num_layers, num_kv_heads, len(row), head_dim), np.float32)
+        leaving_value = np.zeros_like(leaving_key)
+        old = (partner >= 0) & (partner < seen)  # in the cache: every head holds it (it was protected)
+        if old.any():
+            slots = (cache.position[:, :, :, None] == partner[old]).argmax(axis=2)[..., None]  # (L, Hkv, m, 1)
+            leaving_key[:, :, old] = np.take_along_axis(cache.key, slots, axis=2)
+            leaving_value[:, :, old] = np.take_along_axis(cache.value, slots, axis=2)
+        new = partner >= seen  # an earlier row of this chunk (a chunk longer than the window)
+        leaving_key[:, :, new] = staged.key[:, :, partner[new] - seen]
+        leaving_value[:, :, new] = staged.value[:, :, partner[new] - seen]
+        self._scorer.take_piece(cache.policy_state, staged.key[:, :, rows], staged.value[:, :, rows],
+                                partner, leaving_key, leaving_value)
+
     def score(self, cache, candidates) -> np.ndarray:
         return candidates.statistics[SCORE]

@@ -54,16 +54,22 @@ class ScorerSpec:
 
 @dataclass
 class ScorerState:
-    """One sequence's scorer state: the recurrent memory, and the tokens not yet taken into it."""
+    """One sequence's scorer state: the recurrent memory, and the tokens not yet taken into it.
+
+    While a prompt chunk is computed in pieces (kvpop.cache.staged_chunk), `staged` holds the scores
+    of the leaving tokens its pieces took in so far; the chunk's append then only looks them up.
+    Between appends (when a state is saved or copied) it is None."""
 
     recurrent: dict[str, np.ndarray]  # state name -> (L, Hkv, ...) float32; empty when stateless
     pending_key: np.ndarray  # (L, Hkv, P, D) tokens of the last append, consumed at the next score
     pending_value: np.ndarray  # (L, Hkv, P, D)
+    staged: "list[tuple[np.ndarray, np.ndarray]] | None" = None  # per piece: leaving positions (m,), scores (L, Hkv, m)
 
     def copy(self) -> "ScorerState":
         return ScorerState(
             {name: array.copy() for name, array in self.recurrent.items()},
-            self.pending_key.copy(), self.pending_value.copy()
+            self.pending_key.copy(), self.pending_value.copy(),
+            None if self.staged is None else list(self.staged),
         )
 
 
@@ -174,7 +180,37 @@ class LearnedScorer(TokenScorer):
     def init_state(self) -> ScorerState:
         return self.runtime.initial_state()
 
+    @property
+    def takes_pieces(self) -> bool:
+        """Whether a chunk computed in pieces may go through the memory piece by piece (`take_piece`):
+        not with the attention feature, whose statistic needs the whole chunk's attention."""
+        return not self.statistics
+
+    def take_piece(
+        self,
+        state: ScorerState,
+        new_key: np.ndarray,  # (L, Hkv, t, D): rows of a prompt chunk that enters the cache later, whole
+        new_value: np.ndarray,  # (L, Hkv, t, D)
+        leaving_positions: np.ndarray,  # (t,) the token leaving the window at each row, -1: none
+        leaving_key: np.ndarray,  # (L, Hkv, t, D), zeros where none leaves
+        leaving_value: np.ndarray,  # (L, Hkv, t, D)
+    ) -> None:
+        """Run a chunk's piece through the memory now, rows paired with their leaving tokens exactly as
+        the whole chunk's append would pair them, and keep those tokens' scores for it (`score`): a
+        chunk computed over several engine steps then costs its completing step no scorer work."""
+        if state.staged is None:  # the chunk's first piece: what the previous append held back goes first
+            self._consume(state, leaving=None)
+            state.staged = []
+        scores, state.recurrent = self.runtime.step(state.recurrent, new_key, new_value, leaving_key, leaving_value,
+                                                    np.zeros(new_key.shape[:3], np.float32))
+        rows = leaving_positions >= 0
+        state.staged.append((leaving_positions[rows], scores[:, :, rows]))
+
     def observe(self, cache, state: ScorerState, update) -> StatisticsUpdate:
+        if state.staged is not None:  # the chunk's pieces are in the memory already (take_piece)
+            if not any(len(positions) for positions, _ in state.staged):  # no token leaves: score is not called
+                state.staged = None
+            return StatisticsUpdate()
         self._consume(state, leaving=None)
         state.pending_key = np.array(update.key, np.float32)  # a copy: the caller may reuse its buffers
         state.pending_value = np.array(update.value, np.float32)
@@ -193,6 +229,12 @@ class LearnedScorer(TokenScorer):
         )
 
     def score(self, cache, state: ScorerState, leaving: LeavingTokens) -> np.ndarray:
+        if state.staged is not None:  # scored when their pieces went in: look each head's up by position
+            positions = np.concatenate([piece_positions for piece_positions, _ in state.staged])  # (M,) ascending
+            scores = np.concatenate([piece_scores for _, piece_scores in state.staged], axis=2)  # (L, Hkv, M)
+            state.staged = None
+            index = np.searchsorted(positions, leaving.positions)  # (L, Hkv, M): each head's order
+            return np.take_along_axis(scores, index, axis=2)
         if leaving.positions.shape[2] == 1:  # a decode step: one token leaves, nothing to order
             return self._consume(state, leaving)
         # Heads hold the leaving tokens in different slot orders: put each head's in position order.

@@ -83,10 +83,11 @@ class KVpopPolicy(EvictionPolicy):
             index = slots if old.ndim == 3 else slots[..., None]
             return np.concatenate([np.take_along_axis(old, index, axis=2), new[:, :, new_tokens]], axis=2)
 
+        scored = self._scorer.scored_in_pieces(cache.policy_state)  # then only positions are looked up
         leaving = LeavingTokens(
             positions=gather(cache.position, np.broadcast_to(update.positions, new_statistics[SCORE].shape)),
-            key=gather(cache.key, update.key),
-            value=gather(cache.value, update.value),
+            key=None if scored else gather(cache.key, update.key),
+            value=None if scored else gather(cache.value, update.value),
             statistics={name: gather(statistics[name], new_statistics[name]) for name in self._scorer.statistics},
         )
         scores = np.asarray(self._scorer.score(cache, cache.policy_state, leaving), dtype=np.float32)

@@ -27,8 +27,8 @@ class LeavingTokens:
     """The M tokens leaving the protected window in one append (M is the same for every head)."""
 
     positions: np.ndarray  # (L, Hkv, M) int64
-    key: np.ndarray  # (L, Hkv, M, D)
-    value: np.ndarray  # (L, Hkv, M, D)
+    key: np.ndarray | None  # (L, Hkv, M, D); None when the scorer scored them as their chunk's pieces came
+    value: np.ndarray | None  # (L, Hkv, M, D)
     statistics: dict[str, np.ndarray]  # the scorer's own statistics, name -> (L, Hkv, M)
 
 
@@ -48,6 +48,11 @@ class TokenScorer(ABC):
     @abstractmethod
     def score(self, cache: "SlotCache", state: Any, leaving: LeavingTokens) -> np.ndarray:
         """(L, Hkv, M) worth of the leaving tokens; higher is kept."""
+
+    def scored_in_pieces(self, state: Any) -> bool:
+        """Whether the append being observed is a chunk whose leaving tokens were scored as its pieces
+        were computed (the kvpop policy's `stage`): `score` then needs no keys or values."""
+        return False
 
     def scores_decode_batch(self, state: Any) -> bool:
         """Whether `score_decode_batch` may replace observe + score for a decode step in `state`."""

@@ -250,6 +250,9 @@ class LearnedScorer(TokenScorer):
         np.put_along_axis(unsorted, order, scores, axis=2)
         return unsorted
 
+    def scored_in_pieces(self, state: ScorerState) -> bool:
+        return state.staged is not None
+
     def scores_decode_batch(self, state: ScorerState) -> bool:
         # Reads no attention, and holds no tokens back (a prefill's last chunk may leave some).
         return not self.statistics and state.pending_key.shape[2] == 0

@@ -101,7 +101,7 @@ class KVpopPolicy(EvictionPolicy):
         paired with the token that leaves the window when it arrives, as `observe` pairs the whole
         chunk's: the chunk's completing step then only looks the scores up (a 246-token SmolLM2 chunk's
         scorer work, ~45 ms, would otherwise land on one engine step)."""
-        if not getattr(self._scorer, "takes_pieces", False):
+        if not self._scorer.takes_pieces:
             return
         sinks, window = self.protected_counts(cache.budget)
         seen = cache.tokens_seen  # unchanged while the chunk is staged

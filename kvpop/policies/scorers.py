@@ -49,6 +49,20 @@ class TokenScorer(ABC):
     def score(self, cache: "SlotCache", state: Any, leaving: LeavingTokens) -> np.ndarray:
         """(L, Hkv, M) worth of the leaving tokens; higher is kept."""
 
+    takes_pieces: ClassVar[bool] = False  # `take_piece` may run a staged chunk's pieces through it early
+
+    def take_piece(
+        self,
+        state: Any,
+        new_key: np.ndarray,  # (L, Hkv, t, D): rows of a prompt chunk that enters the cache later, whole
+        new_value: np.ndarray,  # (L, Hkv, t, D)
+        leaving_positions: np.ndarray,  # (t,) the token leaving the window at each row, -1: none
+        leaving_key: np.ndarray,  # (L, Hkv, t, D), zeros where none leaves
+        leaving_value: np.ndarray,  # (L, Hkv, t, D)
+    ) -> None:
+        """Take rows of a chunk computed in pieces in before the chunk's append (kvpop policy `stage`)."""
+        raise NotImplementedError(f"scorer {self.name!r} does not take chunks in pieces")
+
     def scored_in_pieces(self, state: Any) -> bool:
         """Whether the append being observed is a chunk whose leaving tokens were scored as its pieces
         were computed (the kvpop policy's `stage`): `score` then needs no keys or values."""

@@ -186,15 +186,8 @@ class LearnedScorer(TokenScorer):
         not with the attention feature, whose statistic needs the whole chunk's attention."""
         return not self.statistics
 
-    def take_piece(
-        self,
-        state: ScorerState,
-        new_key: np.ndarray,  # (L, Hkv, t, D): rows of a prompt chunk that enters the cache later, whole
-        new_value: np.ndarray,  # (L, Hkv, t, D)
-        leaving_positions: np.ndarray,  # (t,) the token leaving the window at each row, -1: none
-        leaving_key: np.ndarray,  # (L, Hkv, t, D), zeros where none leaves
-        leaving_value: np.ndarray,  # (L, Hkv, t, D)
-    ) -> None:
+    def take_piece(self, state: ScorerState, new_key: np.ndarray, new_value: np.ndarray,
+                   leaving_positions: np.ndarray, leaving_key: np.ndarray, leaving_value: np.ndarray) -> None:
         """Run a chunk's piece through the memory now, rows paired with their leaving tokens exactly as
         the whole chunk's append would pair them, and keep those tokens' scores for it (`score`): a
         chunk computed over several engine steps then costs its completing step no scorer work."""

@@ -155,7 +155,7 @@ class DecoderStep:
         step that returns no attention (None), for policies that never read it."""
         inputs = StepInputs(input_ids, position_ids, past_key, past_value, slot_mask)
         if last_only and not attention and self._mixed is not None:
-            if input_ids.shape[1] == 1:  # the decode segment: its T = 1 is static, a third faster than T = 1 as a prompt
+            if input_ids.shape[1] == 1:  # the decode segment, whose T = 1 is static in the graph
                 return self.run_mixed(inputs, self._empty_segment())[0]
             return self.run_mixed(self._empty_segment(), inputs)[1]
         session = self._session(last_only, attention)

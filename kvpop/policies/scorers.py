@@ -49,7 +49,10 @@ class TokenScorer(ABC):
     def score(self, cache: "SlotCache", state: Any, leaving: LeavingTokens) -> np.ndarray:
         """(L, Hkv, M) worth of the leaving tokens; higher is kept."""
 
-    takes_pieces: ClassVar[bool] = False  # `take_piece` may run a staged chunk's pieces through it early
+    @property
+    def takes_pieces(self) -> bool:
+        """Whether `take_piece` may run a staged chunk's pieces through the scorer before its append."""
+        return False
 
     def take_piece(
         self,

@@ -250,6 +250,11 @@ def start_classic(hf_model: Path, max_batch: int, log: Path):
 # -- report --------------------------------------------------------------------------------------
 
 
+def report_systems(report: dict) -> tuple[str, ...]:
+    """The systems a report measured (reports written before --systems measured all three)."""
+    return tuple(report.get("systems", SYSTEMS))
+
+
 def mean_of(cells: list[dict], key: str):
     values = [cell[key] for cell in cells if isinstance(cell.get(key), (int, float))]
     return statistics.fmean(values) if values else None
@@ -267,7 +272,7 @@ def markdown(report: dict) -> str:
         lines.append("| concurrency | system | req/s | output tok/s | TTFT p50 ms | ITL p50 ms | ITL p99 ms | latency p50 / p95 / p99 ms | errors |")
         lines.append("|---|---|---|---|---|---|---|---|---|")
         for concurrency in workload["concurrencies"]:
-            for system in SYSTEMS:
+            for system in report_systems(report):
                 cells = report["cells"][workload["name"]][str(concurrency)][system]
                 m = {key: mean_of(cells, key) for key in cells[0]}
                 lines.append(
@@ -301,7 +306,7 @@ def ratios(report: dict) -> None:
         report["ratios"][workload["name"]] = {}
         for concurrency in workload["concurrencies"]:
             cells = by[str(concurrency)]
-            get = lambda system, key: mean_of(cells[system], key)  # noqa: E731
+            get = lambda system, key: mean_of(cells.get(system, []), key)  # noqa: E731
             divide = lambda a, b: a / b if a is not None and b else None  # noqa: E731
             report["ratios"][workload["name"]][str(concurrency)] = {
                 "kvpop_over_full_rps": divide(get("kvpop", "requests_per_s"), get("full", "requests_per_s")),
@@ -323,8 +328,8 @@ def plot(report: dict, out_dir: Path) -> None:
     figure, axes = plt.subplots(1, len(workloads), figsize=(4.2 * len(workloads), 3.6))
     for axis, workload in zip(np.atleast_1d(axes), workloads):
         concurrencies = workload["concurrencies"]
-        width = 0.8 / len(SYSTEMS)
-        for index, system in enumerate(SYSTEMS):
+        width = 0.8 / len(report_systems(report))
+        for index, system in enumerate(report_systems(report)):
             values = [mean_of(report["cells"][workload["name"]][str(c)][system], "output_tokens_per_s") or 0 for c in concurrencies]
             axis.bar(np.arange(len(concurrencies)) + index * width, values, width, label=system)
         axis.set_xticks(np.arange(len(concurrencies)) + width, [str(c) for c in concurrencies])
@@ -355,11 +360,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="stream: gRPC streaming from kvpop_engine (TTFT, inter-token gaps); complete: one answer per "
                              "request from kvpop_service, as the classic design answers")
     parser.add_argument("--workloads", nargs="+", default=["a", "b", "c", "d"], help="a b c d, or none (the stall probe only)")
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS),
+                        help="systems to measure (default all three; a long run may leave out one measured before)")
     parser.add_argument("--engine-parameter", action="append", default=[], metavar="KEY=VALUE",
                         help="a kvpop_engine config.pbtxt parameter for both servers (repeatable)")
     args = parser.parse_args(argv)
 
     from kvpop.model_spec import ModelSpec
+
+    systems = tuple(system for system in SYSTEMS if system in args.systems)  # the canonical order
 
     spec = ModelSpec.load(args.model)
     all_workloads = {
@@ -387,20 +396,24 @@ def main(argv: list[str] | None = None) -> int:
     servers, classics = {}, {}
     try:
         servers["main"] = start_triton(args.model, scratch / "repo-main", base_parameters, scratch / "triton-main.log")
-        classics["main"] = start_classic(args.hf_model, 8, scratch / "classic-main.log")
+        measure_classic = "classic" in systems
+        if measure_classic:
+            classics["main"] = start_classic(args.hf_model, 8, scratch / "classic-main.log")
         if any(w.pool for w in workloads):
             servers["pool"] = start_triton(args.model, scratch / "repo-pool", pool_parameters, scratch / "triton-pool.log")
-            classics["pool"] = start_classic(args.hf_model, 4, scratch / "classic-pool.log")
-        urls = {key: (server.grpc_url, classics[key][1]) for key, server in servers.items()}
+            if measure_classic:
+                classics["pool"] = start_classic(args.hf_model, 4, scratch / "classic-pool.log")
+        urls = {key: (server.grpc_url, classics[key][1] if measure_classic else None) for key, server in servers.items()}
 
         for key, (grpc_url, classic_url) in urls.items():  # warm up every system
             warm = prompts(1, 256, spec.vocab_size, seed=99)[0]
             for system in ("full", "kvpop"):
                 service_request(grpc_url, warm, 4, system)
-            classic_request(classic_url, warm, 4, "classic")
+            if measure_classic:
+                classic_request(classic_url, warm, 4, "classic")
 
         streamed = args.service_responses == "stream"
-        cells: dict = {w.name: {str(c): {s: [] for s in SYSTEMS} for c in w.concurrencies} for w in workloads}
+        cells: dict = {w.name: {str(c): {s: [] for s in systems} for c in w.concurrencies} for w in workloads}
         stall: dict = {"full": [], "kvpop": []}
         for repetition in range(args.repetitions):
             for workload in workloads:
@@ -409,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
                     seed = 1000 * repetition + concurrency
                     work = [prompts(workload.requests_per_client, workload.prompt_tokens, spec.vocab_size, seed + 17 * client)
                             for client in range(concurrency)]
-                    order = SYSTEMS if repetition % 2 == 0 else tuple(reversed(SYSTEMS))
+                    order = systems if repetition % 2 == 0 else tuple(reversed(systems))
                     for system in order:
                         service_call = service_request if streamed else complete_request
                         call, url = (classic_request, classic_url) if system == "classic" else (service_call, grpc_url)
@@ -442,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": str(args.model),
         "hf_model": str(args.hf_model),
         "repetitions": args.repetitions,
+        "systems": list(systems),
         "service_responses": args.service_responses,
         "compression": COMPRESSION,
         "engine_parameters": base_parameters,

@@ -15,7 +15,7 @@ CONFIG ?= auto
 PID_FILE := run/tritonserver.pid
 
 .PHONY: help setup model export serve serve-bg stop test test-unit test-e2e clean reference-model eval-reference \
-	train-scorer eval-real tasks eval-sweep kvpress-env eval-kvpress speed speed-quick speed-real bench-service bench-sessions bench-profile bench-overhead loadtest \
+	train-scorer eval-real tasks eval-sweep kvpress-env eval-kvpress speed speed-quick speed-real bench-service bench-sessions bench-steady bench-profile bench-overhead loadtest \
 	system-deps image image-lb test-cluster load-time test-faults test-fuzz stress soak
 
 REFERENCE := models/reference
@@ -219,6 +219,9 @@ SESSION_MODEL ?= build/reference-export
 bench-sessions: setup  ## TTFT per turn of a 10-turn conversation, sessions vs resending the whole history: docs/benchmarks/session_ttft.*
 	@test -f $(SESSION_MODEL)/model_spec.json || $(PY) -m export --model $(REFERENCE) --output $(SESSION_MODEL)
 	$(PY) -m benchmarks.session_ttft --model $(SESSION_MODEL) --out-dir docs/benchmarks
+
+bench-steady: setup  ## workload (b)'s steady state on SmolLM2 (8 full kvpop caches of 922 slots), engine alone and through the server (~5 min): docs/benchmarks/smollm2/steady_decode.json
+	$(PY) -m benchmarks.steady_decode --model $(SPEED_MODEL) --out docs/benchmarks/smollm2/steady_decode.json
 
 bench-profile: setup  ## where an engine step's milliseconds go, one request and a loaded period: docs/benchmarks/profile_engine_after.*
 	@test -f $(BENCH_MODEL)/model_spec.json || $(PY) -m export --model $(BENCH_HF) --output $(BENCH_MODEL)

@@ -54,10 +54,10 @@ def engine_steady(model: Path, budget: int, streams: int, prompt_tokens: int, fi
         start = time.perf_counter()
         engine.step()
         walls.append(time.perf_counter() - start)
-    full = [sequence.cache.length == budget for sequence in engine._running.values()]
+    caches_full = all(sequence.cache.length == budget for sequence in engine._running.values())
     decoder_ms = TIMERS[DECODER_TIMER] / steps * 1e3
     return {
-        "streams": streams, "budget": budget, "caches_full": all(full),
+        "streams": streams, "budget": budget, "caches_full": caches_full,
         "step_ms_median": float(np.median(walls)) * 1e3, "step_ms_mean": float(np.mean(walls)) * 1e3,
         "decoder_ms_per_step": decoder_ms, "rest_ms_per_step": float(np.mean(walls)) * 1e3 - decoder_ms,
     }

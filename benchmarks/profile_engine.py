@@ -34,6 +34,7 @@ from kvpop.engine import CacheConfig, Engine, GenerationRequest, SamplingParams,
 from kvpop.decoder import DecoderStep
 from kvpop.policies.kvpop import KVpopPolicy
 
+DECODER_TIMER = "decoder (ONNX run + outputs to host)"
 TIMERS: dict[str, float] = defaultdict(float)
 CALLS: dict[str, int] = defaultdict(int)
 
@@ -63,7 +64,7 @@ _CLASSES_WRAPPED = []
 
 def instrument(engine: Engine) -> None:
     """Timers around the parts of a step (class attributes once, so every sequence's objects are covered)."""
-    wrap(engine.decoder, "_run", "decoder (ONNX run + outputs to host)")  # every call: prefill, decode, mixed
+    wrap(engine.decoder, "_run", DECODER_TIMER)  # every call: prefill, decode, mixed
     wrap(engine, "_run_mixed", "  decode step + prompt piece in one mixed call (incl. their stores)")
     if not _CLASSES_WRAPPED:
         wrap(slot_cache_module.SlotCache, "append", "cache.append (policy + writes)")

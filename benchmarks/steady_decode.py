@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import tempfile
 import threading
 import time
@@ -25,12 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.profile_engine import CALLS, TIMERS, instrument, prompt
+from benchmarks.profile_engine import CALLS, DECODER_TIMER, TIMERS, instrument, prompt
 from kvpop.decoder import DecoderStep
 from kvpop.engine import CacheConfig, Engine, GenerationRequest, SamplingParams, load_learned_scorers
 from kvpop.model_spec import ModelSpec
 
-DECODER_TIMER = "decoder (ONNX run + outputs to host)"
 STRETCH = 250  # tokens per row of the server's gap table
 
 
@@ -90,6 +90,7 @@ def server_steady(model: Path, budget: int, streams: int, prompt_tokens: int, to
             thread.join()
     finally:
         server.stop()
+        shutil.rmtree(scratch, ignore_errors=True)  # the model repository holds a copy of the weights
     stretches = []
     for begin in range(0, tokens - 1, STRETCH):
         gaps = np.concatenate([np.diff(times[begin : begin + STRETCH + 1]) for times in token_times])

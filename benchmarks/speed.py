@@ -395,7 +395,7 @@ def scorer_notes(model_dir: Path, kinds: set[str]) -> dict[str, dict]:
         notes[kind] = {
             "window": data["config"]["window"], "memory_dim": data["config"].get("memory_dim"), "hidden_dim": data["config"].get("hidden_dim"),
             "source": data.get("source", ""), "trained": data.get("source", "") != UNTRAINED,
-            "batch_graph": data.get("batch_onnx_file"),
+            "batch_graph": data.get("decode_onnx_file"),
         }
     return notes
 
@@ -419,7 +419,7 @@ def time_scorer_calls(learned_scorers: dict[str, TokenScorer], kinds: set[str], 
                     runtime.step(state.recurrent, *(array[row, :, :, None] for array in tokens))
 
             variants = {"engine": lambda: scorer.score_decode_batch(states, *tokens)}
-            if runtime.spec.state_shapes and runtime.batch_session is not None and batch > 1:
+            if runtime.spec.state_shapes and runtime.decode_session is not None and batch > 1:
                 variants["one_sequence_calls"] = one_by_one
             times: dict[str, list[float]] = {name: [] for name in variants}
             for _ in range(warmup + repeats):

@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     decoder = DecoderStep(args.model)
     scorers = {kind: ScorerRuntime(args.model, kind) for kind in ScorerRuntime.available(args.model)}
-    scorers = {kind: runtime for kind, runtime in scorers.items() if runtime.batch_session is not None}
+    scorers = {kind: runtime for kind, runtime in scorers.items() if runtime.decode_session is not None}
     rng = np.random.default_rng(0)
     cells = [(batch, slots) for batch in args.batches for slots in args.slots]
     for batch, slots in cells:  # warm every shape once

@@ -101,7 +101,7 @@ class DecoderStep:
         self._mixed_file = mixed_step_path(decoder_path) if mixed else None  # mixed=False: separate calls (A/B)
         self._mixed: ort.InferenceSession | None = None
         self._sessions: dict[tuple[bool, bool], ort.InferenceSession] = {}
-        if self.has_mixed_step:
+        if self._mixed_file is not None and self._mixed_file.exists():
             self._mixed = ort.InferenceSession(str(self._mixed_file), sess_options=options, providers=providers)
             first = self._mixed
         else:
@@ -129,7 +129,7 @@ class DecoderStep:
     @property
     def has_mixed_step(self) -> bool:
         """Whether the export has the mixed decode + prompt step (`run_mixed`)."""
-        return self._mixed_file is not None and self._mixed_file.exists()
+        return self._mixed is not None  # loaded at init when exported (asked every engine step: no stat)
 
     def _session(self, last_only: bool, attention: bool) -> ort.InferenceSession:
         if not last_only or not self.has_lean_variants:

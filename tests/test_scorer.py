@@ -187,6 +187,47 @@ def test_mlstm_matches_the_plain_recurrence():
     torch.testing.assert_close(normaliser * stabiliser.exp()[:, None], plain_normaliser)
 
 
+def test_mlstm_step_is_the_chunk_form_for_one_token():
+    """The decode graph's recurrent one-token step gives the chunk form's read and state, from a warm
+    state whose stabiliser is far from zero (the relative scales must agree, not only the products)."""
+    from kvpop_train.scorer.network import mlstm_chunk, mlstm_step
+
+    generator = torch.Generator().manual_seed(4)
+    heads, dim = 5, 4
+    warm = [torch.randn(heads, 6, dim, generator=generator, dtype=torch.float64) for _ in range(3)]
+    gates = 4 * torch.randn(heads, 6, generator=generator, dtype=torch.float64), -torch.rand(heads, 6, generator=generator, dtype=torch.float64)
+    zeros = (torch.zeros(heads, dim, dim, dtype=torch.float64), torch.zeros(heads, dim, dtype=torch.float64),
+             torch.zeros(heads, dtype=torch.float64))
+    _, *state = mlstm_chunk(*warm, *gates, *zeros)
+    query, key, value = (torch.randn(heads, 1, dim, generator=generator, dtype=torch.float64) for _ in range(3))
+    log_input, log_forget = torch.tensor([[9.0], [-3.0], [0.0], [2.0], [-8.0]], dtype=torch.float64), -torch.rand(heads, 1, dtype=torch.float64)
+    chunk = mlstm_chunk(query, key, value, log_input, log_forget, *state)
+    step = mlstm_step(query[:, 0], key[:, 0], value[:, 0], log_input[:, 0], log_forget[:, 0], *state)
+    torch.testing.assert_close(step[0], chunk[0][:, 0])
+    for got, want in zip(step[1:], chunk[1:]):
+        torch.testing.assert_close(got, want)
+
+
+def test_decode_step_is_each_sequences_own_step():
+    """B sequences in the token axis, each with its own state: each gets exactly its forward's step."""
+    config = CONFIGS["mlstm"]
+    torch.manual_seed(1)
+    scorer = Scorer(config).eval()
+    sequences = []
+    for seed in range(3):
+        key, value = random_sequence(7, seed)  # (L, Hkv, 7, D): a warm state from 6 tokens, then one step
+        _, state = scorer(key[:, :, :6], value[:, :, :6], key[:, :, :6], value[:, :, :6], scorer.initial_state())
+        sequences.append((key[:, :, 6:], value[:, :, 6:], key[:, :, 2:3], value[:, :, 2:3], state))
+    with torch.no_grad():
+        want = [scorer(*tokens, state) for *tokens, state in sequences]
+        tokens = [torch.cat([sequence[i] for sequence in sequences], dim=2) for i in range(4)]  # (L, Hkv, B, D)
+        states = [torch.stack([sequence[4][i] for sequence in sequences], dim=2) for i in range(3)]  # (L, Hkv, B, ...)
+        score, new_state = scorer.decode_step(*tokens, *states)
+    torch.testing.assert_close(score, torch.cat([w[0] for w in want], dim=2), atol=1e-5, rtol=1e-5)
+    for i, got in enumerate(new_state):
+        torch.testing.assert_close(got, torch.stack([w[1][i] for w in want], dim=2), atol=1e-5, rtol=1e-5)
+
+
 # -- training -----------------------------------------------------------------------------------
 
 
@@ -256,6 +297,31 @@ def test_runtime_state_roundtrip(exported, kind):
         torch_scores, _ = scorers[kind](*(torch.from_numpy(x) for x in (key, value, leaving_key, leaving_value)),
                                         scorers[kind].initial_state())
     np.testing.assert_allclose(at_once, torch_scores.numpy(), atol=1e-4)
+
+
+def test_runtime_decode_graph_matches_one_sequence_steps(exported):
+    """The exported decode graph (scorer_mlstm.decode.onnx) for B sequences gives each sequence what
+    its own call of the chunk graph gives, scores and states, from B different warm states."""
+    from kvpop.scorer.runtime import ScorerRuntime
+
+    directory, _, _ = exported
+    runtime = ScorerRuntime(directory, "mlstm")
+    assert runtime.decode_session is not None and runtime.spec.decode_onnx_file == "scorer_mlstm.decode.onnx"
+    states = []
+    for seed in range(4):
+        key, value = (x.numpy() for x in random_sequence(9, seed=seed))
+        _, state = runtime.step(runtime.initial_state().recurrent, key, value, value, key)
+        states.append(state)
+    rng = np.random.default_rng(0)
+    tokens = tuple(rng.standard_normal((4, 2, 2, 8)).astype(np.float32) for _ in range(4))  # (B, L, Hkv, D)
+    scores, new_states = runtime.step_decode_batch(states, tokens)
+    assert scores.shape == (4, 2, 2)
+    for row, state in enumerate(states):
+        want, want_state = runtime.step(state, *(array[row, :, :, None] for array in tokens))
+        np.testing.assert_allclose(scores[row], want[:, :, 0], atol=1e-5)
+        for name in want_state:
+            assert new_states[row][name].flags.c_contiguous
+            np.testing.assert_allclose(new_states[row][name], want_state[name], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["mlstm", "mlp"])

@@ -28,7 +28,7 @@ def test_step_cost_times_the_exported_scorers_decode_batch_graph(tiny_onnx_model
     step_cost.main(["--model", str(tiny_onnx_model_dir), "--out", str(out), "--repetitions", "1",
                     "--batches", "1", "2", "--slots", "8", "64"])
     kinds = [kind for kind in ScorerRuntime.available(tiny_onnx_model_dir)
-             if ScorerRuntime(tiny_onnx_model_dir, kind).batch_session is not None]
+             if ScorerRuntime(tiny_onnx_model_dir, kind).decode_session is not None]
     timed = json.loads(out.read_text())["scorer_decode_batch_ms"]
     assert {(cell["kind"], cell["batch"]) for cell in timed} == {(kind, batch) for kind in kinds for batch in (1, 2)}
     assert all(cell["ms"] > 0 for cell in timed)

@@ -36,7 +36,7 @@ class ScorerSpec:
     outputs: tuple[str, ...]
     state_shapes: dict[str, tuple[int, ...]]
     onnx_file: str
-    batch_onnx_file: str | None = None  # many sequences' decode steps in one call (stateful kinds)
+    decode_onnx_file: str | None = None  # B sequences' one-token steps in one call (stateful kinds)
 
     @classmethod
     def load(cls, path: Path) -> "ScorerSpec":
@@ -48,7 +48,7 @@ class ScorerSpec:
             attention_feature=config.get("attention_feature", False),
             inputs=tuple(data["inputs"]), outputs=tuple(data["outputs"]),
             state_shapes={name: tuple(shape) for name, shape in data["state_shapes"].items()},
-            onnx_file=data["onnx_file"], batch_onnx_file=data.get("batch_onnx_file"),
+            onnx_file=data["onnx_file"], decode_onnx_file=data.get("decode_onnx_file"),
         )
 
 
@@ -83,10 +83,10 @@ class ScorerRuntime:
         self.session = ort.InferenceSession(
             str(Path(directory) / self.spec.onnx_file), sess_options=options, providers=["CPUExecutionProvider"]
         )
-        self.batch_session = None  # scorer_<kind>.batch.onnx: B sequences' decode steps in one call
-        if self.spec.batch_onnx_file and (Path(directory) / self.spec.batch_onnx_file).exists():
-            self.batch_session = ort.InferenceSession(
-                str(Path(directory) / self.spec.batch_onnx_file), sess_options=options, providers=["CPUExecutionProvider"]
+        self.decode_session = None  # scorer_<kind>.decode.onnx: B sequences' decode steps in one call
+        if self.spec.decode_onnx_file and (Path(directory) / self.spec.decode_onnx_file).exists():
+            self.decode_session = ort.InferenceSession(
+                str(Path(directory) / self.spec.decode_onnx_file), sess_options=options, providers=["CPUExecutionProvider"]
             )
 
     @staticmethod
@@ -133,16 +133,17 @@ class ScorerRuntime:
         recurrents: list[dict[str, np.ndarray]],  # B states, name -> (L, Hkv, ...)
         tokens: tuple[np.ndarray, ...],  # new_key, new_value, leaving_key, leaving_value: (B, L, Hkv, D)
     ) -> tuple[np.ndarray, list[dict[str, np.ndarray]]]:
-        """One decode step (one new token, one leaving token) of B sequences in one call of the batch
-        graph. -> ((B, L, Hkv) scores, B new states)."""
+        """One decode step (one new token, one leaving token) of B sequences in one call of the decode
+        graph, the sequences in its token axis. -> ((B, L, Hkv) scores, B new states)."""
         feed = dict(zip(("new_key", "new_value", "leaving_key", "leaving_value"),
-                        (np.ascontiguousarray(array[:, :, :, None], np.float32) for array in tokens)))
+                        (np.ascontiguousarray(array.transpose(1, 2, 0, 3), np.float32) for array in tokens)))
         for name in self.spec.state_shapes:
-            feed[name] = np.stack([recurrent[name] for recurrent in recurrents])
-        score, *new_state = self.batch_session.run(None, feed)  # (B, L, Hkv, 1), (B, L, Hkv, ...) each
+            feed[name] = np.stack([recurrent[name] for recurrent in recurrents], axis=2)  # (L, Hkv, B, ...)
+        score, *new_state = self.decode_session.run(None, feed)  # (L, Hkv, B), (L, Hkv, B, ...) each
+        by_row = [np.ascontiguousarray(np.moveaxis(state, 2, 0)) for state in new_state]  # (B, L, Hkv, ...): rows contiguous
         names = list(self.spec.state_shapes)
-        states = [{name: state[row] for name, state in zip(names, new_state)} for row in range(len(recurrents))]
-        return score[..., 0], states
+        states = [{name: state[row] for name, state in zip(names, by_row)} for row in range(len(recurrents))]
+        return score.transpose(2, 0, 1), states
 
 
 class LearnedScorer(TokenScorer):
@@ -255,7 +256,7 @@ class LearnedScorer(TokenScorer):
             rows = [array.transpose(1, 2, 0, 3) for array in (new_key, new_value, leaving_key, leaving_value)]
             scores, _ = self.runtime.step({}, *rows)  # (L, Hkv, B)
             return scores.transpose(2, 0, 1)
-        if len(states) > 1 and self.runtime.batch_session is not None:
+        if self.runtime.decode_session is not None:
             scores, recurrents = self.runtime.step_decode_batch(
                 [state.recurrent for state in states], (new_key, new_value, leaving_key, leaving_value)
             )

@@ -99,6 +99,8 @@ class HeadLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         heads, steps, width = self.weight.shape[0], x.shape[1], self.weight.shape[2]
+        if x.shape[0] == heads:  # one sequence's heads: no stacking to undo (fewer graph nodes)
+            return torch.matmul(x, self.weight) + self.bias
         by_head = x.reshape(-1, heads, steps, x.shape[2]).transpose(0, 1).reshape(heads, -1, x.shape[2])  # (H, k * T, in)
         out = torch.matmul(by_head, self.weight) + self.bias  # (H, k * T, out)
         return out.reshape(heads, -1, steps, width).transpose(0, 1).reshape(-1, steps, width)  # (k * H, T, out)
@@ -144,6 +146,33 @@ def mlstm_chunk(
     weighted_key = key * last_weight[..., None]  # (H, T, K); products, not einsums (see HeadLinear)
     new_memory = last_carry[:, None, None] * memory + weighted_key.transpose(1, 2) @ value  # (H, K, V)
     new_normaliser = last_carry[:, None] * normaliser + weighted_key.sum(dim=1)  # (H, K)
+    return read, new_memory, new_normaliser, new_stabiliser
+
+
+def mlstm_step(
+    query: torch.Tensor,  # (..., M): read query of the token leaving now
+    key: torch.Tensor,  # (..., M): memory key of the token entering now
+    value: torch.Tensor,  # (..., M)
+    log_input: torch.Tensor,  # (...) log of the exponential input gate
+    log_forget: torch.Tensor,  # (...) log of the sigmoid forget gate
+    memory: torch.Tensor,  # (..., M, M) stabilised matrix memory
+    normaliser: torch.Tensor,  # (..., M)
+    stabiliser: torch.Tensor,  # (...) log scale m
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`mlstm_chunk` for one token, in the recurrent form: the same numbers with a fraction of the
+    operations (the decode graph runs it every step). Any leading dims: heads, or heads x sequences.
+
+    The new state first (C = f C + i k v^T, n = f n + i k, kept relative to m' = max(log f + m, log i)),
+    then the read from it: C q / max(|n . q|, exp(-m')), which is the chunk form's row for T = 1."""
+    log_carry = log_forget + stabiliser  # (...)
+    new_stabiliser = torch.maximum(log_carry, log_input)
+    carry = torch.exp(log_carry - new_stabiliser)[..., None]  # (..., 1)
+    write = torch.exp(log_input - new_stabiliser)[..., None]
+    new_memory = carry[..., None] * memory + (write * key)[..., :, None] * value[..., None, :]  # (..., K, V)
+    new_normaliser = carry * normaliser + write * key  # (..., K)
+    numerator = torch.matmul(query[..., None, :], new_memory)[..., 0, :]  # (..., V)
+    denominator = (query * new_normaliser).sum(-1, keepdim=True)  # (..., 1)
+    read = numerator / torch.maximum(denominator.abs(), torch.exp(-new_stabiliser)[..., None])
     return read, new_memory, new_normaliser, new_stabiliser
 
 
@@ -242,6 +271,35 @@ class Scorer(nn.Module):
             state = tuple(s.reshape(layers, kv_heads, *s.shape[1:]) for s in (memory, normaliser, stabiliser))
         score = self.output(functional.gelu(self.hidden(leaving)))  # (H, T, 1)
         return score.reshape(layers, kv_heads, steps), state
+
+    def decode_step(
+        self,
+        new_key: torch.Tensor,  # (L, Hkv, B, D): one new token of each of B sequences, RoPE applied
+        new_value: torch.Tensor,  # (L, Hkv, B, D)
+        leaving_key: torch.Tensor,  # (L, Hkv, B, D): each sequence's token leaving the window now
+        leaving_value: torch.Tensor,  # (L, Hkv, B, D)
+        memory: torch.Tensor,  # (L, Hkv, B, M, M): the B sequences' states side by side
+        normaliser: torch.Tensor,  # (L, Hkv, B, M)
+        stabiliser: torch.Tensor,  # (L, Hkv, B)
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """`forward` for one decode step of B sequences (stateful kind, no attention feature): the B
+        sequences sit where a chunk's tokens would, each row with its own state, and the memory takes
+        the recurrent one-token step. -> ((L, Hkv, B) scores, new state). Exported as the decode graph."""
+        layers, kv_heads, batch, _ = new_key.shape
+        heads, memory_dim = layers * kv_heads, self.config.memory_dim
+        leaving = self.features(leaving_key, leaving_value)  # (H, B, F)
+        written = self.write(self.features(new_key, new_value))  # (H, B, 2M + 2)
+        key, value = written[..., :memory_dim], written[..., memory_dim : 2 * memory_dim]
+        cap = self.config.input_gate_cap
+        log_input = cap * torch.tanh(written[..., -2] / cap)  # (H, B)
+        log_forget = functional.logsigmoid(written[..., -1])  # (H, B)
+        query = self.read(leaving) / math.sqrt(memory_dim)  # (H, B, M)
+        read, *state = mlstm_step(
+            query, key, value, log_input, log_forget, memory.reshape(heads, batch, memory_dim, memory_dim),
+            normaliser.reshape(heads, batch, memory_dim), stabiliser.reshape(heads, batch),
+        )
+        score = self.output(functional.gelu(self.hidden(torch.cat([leaving, read], dim=-1))))  # (H, B, 1)
+        return score.reshape(layers, kv_heads, batch), tuple(s.reshape(layers, kv_heads, *s.shape[1:]) for s in state)
 
     def score_sequence(
         self,

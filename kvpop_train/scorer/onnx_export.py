@@ -2,8 +2,8 @@
 
 `python -m kvpop_train.scorer.onnx_export --scorers MODEL/scorer --out model_repository/kvpop_engine/1`
 writes `scorer_<kind>.onnx` and `scorer_<kind>.json` (config, tensor names, state shapes, parity) for
-every `scorer_<kind>.pt` found, and for a stateful kind `scorer_<kind>.batch.onnx`, the decode step of
-many sequences in one call. The runtime (kvpop.scorer.runtime) needs only those files.
+every `scorer_<kind>.pt` found, and for a stateful kind `scorer_<kind>.decode.onnx`, the one-token decode
+step of many sequences in one call. The runtime (kvpop.scorer.runtime) needs only those files.
 """
 
 from __future__ import annotations
@@ -52,43 +52,45 @@ class _Step(nn.Module):
         return (score, *state) if state else score
 
 
-class _BatchedDecodeStep(nn.Module):
-    """`_Step` for B sequences' decode steps at once: inputs (B, L, Hkv, 1, ...), states (B, L, Hkv, ...).
+class _DecodeStep(nn.Module):
+    """`Scorer.decode_step` with flat arguments: B sequences' decode steps in one call, sequences in
+    the token axis (L, Hkv, B, ...), inputs and outputs named as the plain step's.
 
     Why a second graph: the engine's decode step appends one token to every running sequence, and
-    one ONNX call per sequence costs more than the scorer's arithmetic. The B sequences' heads run as
-    B * L * Hkv heads of one step: the linear maps take stacked heads as they are (HeadLinear), the
-    per-head standardisation buffers are tiled B times (small); the same numbers, so each sequence
-    gets exactly its own step (checked at export)."""
+    one ONNX call per sequence costs more than the scorer's arithmetic; and the one-token recurrent
+    form is a fraction of the chunk form's operations (each onnxruntime node costs ~1 us on a CPU)."""
 
     def __init__(self, scorer: Scorer) -> None:
         super().__init__()
-        self.step = _Step(scorer)
+        self.scorer = scorer
 
     def forward(self, *inputs: torch.Tensor):
-        batch = inputs[0].shape[0]
-        tiled = {name: tensor.repeat(batch, *([1] * (tensor.dim() - 1))) for name, tensor in self.step.named_buffers()}
-        folded = tuple(x.reshape(batch * x.shape[1], *x.shape[2:]) for x in inputs)  # B * L "layers"
-        outputs = torch.func.functional_call(self.step, tiled, folded)
-        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        return tuple(y.reshape(batch, -1, *y.shape[1:]) for y in outputs)
+        score, state = self.scorer.decode_step(*inputs)
+        return (score, *state)
 
 
-def export_decode_batch(scorer: Scorer, output_dir: Path) -> tuple[Path, float, float]:
-    """Write scorer_<kind>.batch.onnx (stateful kinds; a stateless scorer batches by rows) and return
-    it with the max |diff| of a batch of 5 against five single-sequence steps of the plain graph."""
+def decode_graph_supported(config: ScorerConfig) -> bool:
+    """Stateful kinds get a decode graph; a stateless scorer batches by rows in its plain graph, and
+    one reading attention is never batched (its statistic needs each sequence's attention)."""
+    return config.stateful and not config.attention_feature
+
+
+def export_decode_step(scorer: Scorer, output_dir: Path) -> tuple[Path, float, float]:
+    """Write scorer_<kind>.decode.onnx and return it with the max |diff| (and output scale) of a
+    batch of 5 sequences against five single-sequence decode steps of the plain chunk graph's forward."""
     config = scorer.config
-    wrapper, single = _BatchedDecodeStep(scorer), _Step(scorer)
     input_names, output_names = onnx_names(config)
     batch = torch.export.Dim("batch", min=1, max=65536)
-    path = Path(output_dir) / f"scorer_{config.kind}.batch.onnx"
+    path = Path(output_dir) / f"scorer_{config.kind}.decode.onnx"
     examples = [example_inputs(scorer, tokens=1, seed=seed) for seed in range(5)]
-    stacked = {name: torch.stack([example[name] for example in examples]) for name in input_names}
+    # Sequence b in the token axis: tokens (L, Hkv, 1, D) -> (L, Hkv, B, D); states (L, Hkv, ...) -> (L, Hkv, B, ...).
+    stacked = {name: torch.cat([example[name] for example in examples], dim=2) if name in TOKEN_INPUTS
+               else torch.stack([example[name] for example in examples], dim=2) for name in input_names}
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
-            wrapper, tuple(stacked[name] for name in input_names), dynamo=True,
-            dynamic_shapes=(tuple({0: batch} for _ in input_names),),
+            _DecodeStep(scorer), tuple(stacked[name] for name in input_names), dynamo=True,
+            dynamic_shapes=(tuple({2: batch} for _ in input_names),),
             input_names=input_names, output_names=output_names, optimize=True, verbose=False,
         )
         program.save(str(path), external_data=False)
@@ -96,10 +98,11 @@ def export_decode_batch(scorer: Scorer, output_dir: Path) -> tuple[Path, float, 
 
         session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         got = session.run(output_names, {name: value.numpy() for name, value in stacked.items()})
-        want = [single(*example.values()) for example in examples]
-        want = [w if isinstance(w, tuple) else (w,) for w in want]
-    max_abs_diff = max(float(np.abs(torch.stack([w[i] for w in want]).numpy() - got[i]).max()) for i in range(len(got)))
-    scale = max(float(torch.stack([w[i] for w in want]).abs().max()) for i in range(len(got)))
+        single = _Step(scorer)
+        want = [single(*example.values()) for example in examples]  # (score (L, Hkv, 1), *state (L, Hkv, ...))
+    expected = [torch.cat([w[0] for w in want], dim=2)] + [torch.stack([w[i] for w in want], dim=2) for i in range(1, len(got))]
+    max_abs_diff = max(float(np.abs(e.numpy() - g).max()) for e, g in zip(expected, got))
+    scale = max(float(e.abs().max()) for e in expected)
     return path, max_abs_diff, scale
 
 
@@ -170,17 +173,17 @@ def export_scorer(scorer: Scorer, output_dir: Path, source: str = "") -> ScorerE
         for want, have in zip(expected, got):
             max_abs_diff = max(max_abs_diff, float(np.abs(want.numpy() - have).max()))
             scale = max(scale, float(want.abs().max()))
-    batch_file = None
-    if config.stateful:
-        batch_path, batch_diff, batch_scale = export_decode_batch(scorer, output_dir)
-        batch_file, max_abs_diff, scale = batch_path.name, max(max_abs_diff, batch_diff), max(scale, batch_scale)
+    decode_file = None
+    if decode_graph_supported(config):
+        decode_path, decode_diff, decode_scale = export_decode_step(scorer, output_dir)
+        decode_file, max_abs_diff, scale = decode_path.name, max(max_abs_diff, decode_diff), max(scale, decode_scale)
     # Relative to the outputs' scale (at least 1), as the decoder step's parity: an mLSTM's memory state
     # grows with the tokens it has summed, and fp32 rounding of a value of 1e3 is already ~1e-4.
     passed = max_abs_diff <= PARITY_TOLERANCE * max(1.0, scale)
     spec = {
         "config": config.to_dict(),
         "onnx_file": onnx_path.name,
-        "batch_onnx_file": batch_file,  # decode steps of many sequences in one call (stateful kinds)
+        "decode_onnx_file": decode_file,  # decode steps of B sequences in one call, (L, Hkv, B, ...) (stateful kinds)
         "inputs": input_names,
         "outputs": output_names,
         "state_shapes": {name: list(shape) for name, shape in config.state_shapes().items()},

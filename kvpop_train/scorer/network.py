@@ -85,12 +85,10 @@ class ScorerConfig:
 
 
 class HeadLinear(nn.Module):
-    """H independent linear maps applied as one batched matmul: (H, T, in) -> (H, T, out). Also takes
-    k sequences' heads stacked, (k * H, T, in) -> (k * H, T, out), head h of each sequence through map h
-    (the batched decode graph, kvpop_train.scorer.onnx_export), without copying the weights.
+    """H independent linear maps applied as one batched matmul: (H, T, in) -> (H, T, out).
 
-    A matmul over the H heads, not an einsum: onnxruntime's CPU Einsum ran the decode batch graph's
-    "khti,hio->khto" as k * H tiny products (4.7 of 7.6 ms for 16 SmolLM2 sequences)."""
+    A matmul over the H heads, not an einsum: onnxruntime's CPU Einsum ran "hti,hio->hto"-style
+    products as many tiny ones (4.7 of 7.6 ms for 16 SmolLM2 sequences in session 7's batch graph)."""
 
     def __init__(self, heads: int, in_features: int, out_features: int) -> None:
         super().__init__()
@@ -98,12 +96,7 @@ class HeadLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(heads, 1, out_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        heads, steps, width = self.weight.shape[0], x.shape[1], self.weight.shape[2]
-        if x.shape[0] == heads:  # one sequence's heads: no stacking to undo (fewer graph nodes)
-            return torch.matmul(x, self.weight) + self.bias
-        by_head = x.reshape(-1, heads, steps, x.shape[2]).transpose(0, 1).reshape(heads, -1, x.shape[2])  # (H, k * T, in)
-        out = torch.matmul(by_head, self.weight) + self.bias  # (H, k * T, out)
-        return out.reshape(heads, -1, steps, width).transpose(0, 1).reshape(-1, steps, width)  # (k * H, T, out)
+        return torch.matmul(x, self.weight) + self.bias  # (H, T, in) @ (H, in, out) -> (H, T, out)
 
 
 def mlstm_chunk(

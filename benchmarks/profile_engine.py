@@ -8,9 +8,11 @@ sampling) and runs the real `Engine.step` loop:
   * one request: a 2048-token prompt, 32 greedy output tokens, alone;
   * a loaded period: 8 streams of 512-token prompts decoding while 4 more 2048-token prompts arrive
     (the moment the issue measured stalls), every request 32 output tokens;
+  * chat: 8 short chat prompts of 100 tokens, 32 output tokens each (bench-service's (d) in the
+    engine alone; a bounded cache of 16 slots, its prompt in --min-chunk pieces);
   * with --reason-tokens N: --reason-streams prompts (8) of 512 tokens, N output tokens each
     (bench-service's (b); with 16 or 32 streams, the many users of (c)).
---scenarios picks some of them (one, loaded, reasoning).
+--scenarios picks some of them (one, loaded, chat, reasoning).
 For each it prints a table (component, ms, share of the wall time) and the longest gap between two
 tokens of an already running stream against its median gap. Timers nest: `decoder` includes its
 own output copy; `policy.observe` includes `scorer`.
@@ -30,6 +32,7 @@ import numpy as np
 
 from kvpop.cache import pool as pool_module
 from kvpop.cache import slot_cache as slot_cache_module
+from kvpop.cache.manager import CacheManager
 from kvpop.engine import CacheConfig, Engine, GenerationRequest, SamplingParams, load_learned_scorers
 from kvpop.decoder import DecoderStep
 from kvpop.policies.kvpop import KVpopPolicy
@@ -71,9 +74,11 @@ def instrument(engine: Engine) -> None:
         wrap(KVpopPolicy, "observe", "  kvpop policy.observe (incl. scorer)")
         wrap(slot_cache_module.SlotCache, "_write_evicting", "  cache eviction (top-k + overwrite)")
         wrap(pool_module.BatchSlotPool, "bind", "batch pool bind/repack")
+        wrap(CacheManager, "store_decode", "decode appends (kvpop: vectorised, incl. scorer)")
         _CLASSES_WRAPPED.append(True)
     for scorer in engine.learned_scorers.values():
         wrap(scorer.runtime, "step", "    learned scorer ONNX")
+        wrap(scorer.runtime, "step_decode_batch", "  learned scorer decode graph (B sequences a call)")
 
 
 def prompt(rng: np.random.Generator, tokens: int, vocab: int) -> list[int]:
@@ -136,7 +141,9 @@ def scenarios(vocab: int, policy: str, reason_tokens: int = 0, reason_streams: i
     one = [(0, request("one", prompt(rng, 2048, vocab), policy, 32))]
     loaded = [(0, request(f"stream{i}", prompt(rng, 512, vocab), policy, 64)) for i in range(8)]
     loaded += [(12, request(f"long{i}", prompt(rng, 2048, vocab), policy, 32)) for i in range(4)]
-    found = {"one request (2048 prompt, 32 out)": one, "loaded (8 streams + 4 x 2048 arriving)": loaded}
+    chat = [(0, request(f"chat{i}", prompt(rng, 100, vocab), policy, 32)) for i in range(8)]
+    found = {"one request (2048 prompt, 32 out)": one, "loaded (8 streams + 4 x 2048 arriving)": loaded,
+             "chat (8 x 100 prompt, 32 out)": chat}
     if reason_tokens:  # bench-service's workload (b) in the engine alone
         reasoning = [(0, request(f"reason{i}", prompt(rng, 512, vocab), policy, reason_tokens)) for i in range(reason_streams)]
         found[f"reasoning ({reason_streams} x 512 prompt, {reason_tokens} out)"] = reasoning
@@ -179,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reason-tokens", type=int, default=0,
                         help="also run --reason-streams prompts of 512 tokens with this many output tokens each (workload (b))")
     parser.add_argument("--reason-streams", type=int, default=8, help="sequences of the reasoning scenario")
-    parser.add_argument("--scenarios", nargs="+", choices=["one", "loaded", "reasoning"], default=["one", "loaded", "reasoning"])
+    parser.add_argument("--scenarios", nargs="+", choices=["one", "loaded", "chat", "reasoning"], default=["one", "loaded", "chat", "reasoning"])
+    parser.add_argument("--min-chunk", type=int, default=64, help="the service's min_prefill_chunk_tokens")
     parser.add_argument("--no-mixed", action="store_true",
                         help="run decode steps and prompt pieces in separate decoder calls even when the export has the mixed step")
     args = parser.parse_args(argv)
@@ -189,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(
             DecoderStep(args.model, mixed=not args.no_mixed), max_batch_size=max(16, args.reason_streams), prefill_chunk=args.prefill_chunk,
             learned_scorers=load_learned_scorers(args.model), prefill_pacing=args.prefill_pacing or None,
+            min_bounded_chunk=args.min_chunk,
         )
         instrument(engine)
         for label, arrivals in scenarios(engine.spec.vocab_size, policy, args.reason_tokens, args.reason_streams).items():

@@ -230,12 +230,21 @@ class TritonServer:
         except OSError:
             return False
 
+    def metrics_up(self) -> bool:
+        """Whether the metrics endpoint answers: Triton starts it tens of ms after HTTP reports ready."""
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
     def wait_ready(self, timeout: float = 180.0) -> None:
+        """Until the models are ready and the metrics endpoint answers (what a caller reads first)."""
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.process is not None and self.process.poll() is not None:
                 raise LauncherError(f"tritonserver exited with code {self.process.returncode} before it was ready")
-            if self.is_ready():
+            if self.is_ready() and self.metrics_up():
                 return
             time.sleep(0.5)
         raise LauncherError(f"tritonserver not ready after {timeout:.0f} s")

@@ -44,7 +44,7 @@ def test_vectorised_decode_equals_the_per_sequence_path_step_by_step(tiny_onnx_m
     per_sequence.cache_manager.batch_decode = False
     grouped = []
     original = decode_batch._append_group
-    monkeypatch.setattr(decode_batch, "_append_group", lambda caches, *rest: (grouped.append(len(caches)), original(caches, *rest)))
+    monkeypatch.setattr(decode_batch, "_append_group", lambda caches, *rest: (grouped.append(len(caches)), original(caches, *rest))[1])
 
     for request in batch("v"):
         vectorised.add_request(request)

@@ -15,6 +15,8 @@ policies, scorers that read attention, a sequence whose scorer still holds token
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING, Hashable
 
 import numpy as np
@@ -38,6 +40,43 @@ def batch_group(cache: "SlotCache") -> Hashable | None:
     return (id(policy.token_scorer), sinks, window, cache.capacity)
 
 
+@dataclass
+class _StackedGroup:
+    """The per-slot arrays of a group's caches side by side, (B, L, Hkv, C): each cache's `position`
+    and kvpop score are row views of them, so while the same caches decode on together a step stacks
+    nothing (a cache whose arrays were replaced since, or another order, stacks them anew)."""
+
+    caches: list["SlotCache"]
+    views: list[tuple[np.ndarray, np.ndarray]]  # per cache: (position, score), the views it was given
+    position: np.ndarray  # (B, L, Hkv, C) int64
+    score: np.ndarray  # (B, L, Hkv, C) float32
+
+    @classmethod
+    def stack(cls, caches: list["SlotCache"]) -> "_StackedGroup":
+        position = np.stack([cache.position for cache in caches])
+        score = np.stack([cache.statistics[SCORE] for cache in caches])
+        views = []
+        for row, cache in enumerate(caches):
+            cache.position, cache.statistics[SCORE] = position[row], score[row]
+            views.append((cache.position, cache.statistics[SCORE]))
+        return cls(caches, views, position, score)
+
+    def holds(self, caches: list["SlotCache"]) -> bool:
+        return len(caches) == len(self.caches) and all(
+            cache is held and cache.position is position and cache.statistics[SCORE] is score
+            for cache, held, (position, score) in zip(caches, self.caches, self.views)
+        )
+
+
+@lru_cache(maxsize=64)
+def _index_grids(batch: int, layers: int, kv_heads: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Index arrays broadcasting to (B, L, Hkv): batch row, layer, KV head."""
+    grids = np.arange(batch)[:, None, None], np.arange(layers)[None, :, None], np.arange(kv_heads)[None, None, :]
+    for grid in grids:
+        grid.flags.writeable = False
+    return grids
+
+
 def append_decode_batch(
     caches: list["SlotCache"],
     pool: "BatchSlotPool",
@@ -54,28 +93,32 @@ def append_decode_batch(
             rest.append(row)
         else:
             groups[group].append(row)
-    for rows in groups.values():
-        _append_group([caches[row] for row in rows], np.array(rows), pool, new_key, new_value)
+    stacked = {}  # kept for the next step: only this step's groups (finished caches are let go)
+    for group, rows in groups.items():
+        stacked[group] = _append_group([caches[row] for row in rows], np.array(rows), pool, new_key, new_value,
+                                       pool.decode_groups.get(group))
+    pool.decode_groups = stacked
     return rest
 
 
 def _append_group(
-    caches: list["SlotCache"], rows: np.ndarray, pool: "BatchSlotPool", new_key: np.ndarray, new_value: np.ndarray
-) -> None:
+    caches: list["SlotCache"], rows: np.ndarray, pool: "BatchSlotPool", new_key: np.ndarray, new_value: np.ndarray,
+    last: _StackedGroup | None,
+) -> _StackedGroup:
     """B full caches of one kvpop policy configuration, each with exactly one token leaving its window."""
     policy: KVpopPolicy = caches[0].policy
     sinks, window = policy.protected_counts(caches[0].budget)
-    num_layers, _, num_kv_heads, _, _ = new_key.shape
-    batch = np.arange(len(caches))[:, None, None]  # index grids broadcasting to (B, L, Hkv)
-    layer = np.arange(num_layers)[None, :, None]
-    head = np.arange(num_kv_heads)[None, None, :]
+    num_layers, batch_size, num_kv_heads, _, _ = new_key.shape
+    batch, layer, head = _index_grids(len(caches), num_layers, num_kv_heads)
     pool_row = rows[:, None, None]
+    group = last if last is not None and last.holds(caches) else _StackedGroup.stack(caches)
+    position, score = group.position, group.score  # (B, L, Hkv, C); row r is caches[r]'s own array
 
     seen = np.array([cache.tokens_seen for cache in caches], np.int64)[:, None, None, None]  # (B, 1, 1, 1)
-    position = np.stack([cache.position for cache in caches])  # (B, L, Hkv, C)
-    score = np.stack([cache.statistics[SCORE] for cache in caches])  # (B, L, Hkv, C)
-    token_key = new_key[:, rows][:, :, :, 0].transpose(1, 0, 2, 3)  # (L, B, Hkv, 1, D) -> (B, L, Hkv, D)
-    token_value = new_value[:, rows][:, :, :, 0].transpose(1, 0, 2, 3)
+    if len(rows) == batch_size:  # every row of the step (rows are ascending): views, no gather
+        token_key, token_value = (array[:, :, :, 0].transpose(1, 0, 2, 3) for array in (new_key, new_value))
+    else:  # (L, B, Hkv, 1, D) -> (B, L, Hkv, D)
+        token_key, token_value = (array[:, rows][:, :, :, 0].transpose(1, 0, 2, 3) for array in (new_key, new_value))
 
     # The token leaving the window (every head holds it: it was protected) gets its fixed score.
     leaving = (position == seen - window).argmax(axis=3)  # (B, L, Hkv) slot
@@ -92,8 +135,10 @@ def _append_group(
     pool.value[layer, pool_row, head, dropped] = token_value
     position[batch, layer, head, dropped] = seen[..., 0]
     score[batch, layer, head, dropped] = 0.0  # a new token's score until it leaves the window
-    every_head = np.broadcast_to(layer[0], (num_layers, num_kv_heads)), np.broadcast_to(head[0], (num_layers, num_kv_heads))
-    for row, cache in enumerate(caches):
-        cache.position, cache.statistics[SCORE] = position[row], score[row]
+    if pool.track_writes:  # a device mirror: each cache records the slot every head wrote
+        every_head = np.broadcast_to(layer[0], (num_layers, num_kv_heads)), np.broadcast_to(head[0], (num_layers, num_kv_heads))
+        for row, cache in enumerate(caches):
+            cache.record_write((*every_head, dropped[row]))
+    for cache in caches:
         cache.tokens_seen += 1
-        cache.record_write((*every_head, dropped[row]))
+    return group

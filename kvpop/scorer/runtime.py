@@ -84,6 +84,7 @@ class ScorerRuntime:
             str(Path(directory) / self.spec.onnx_file), sess_options=options, providers=["CPUExecutionProvider"]
         )
         self.decode_session = None  # scorer_<kind>.decode.onnx: B sequences' decode steps in one call
+        self._last_decode: tuple[list[dict[str, np.ndarray]], list[np.ndarray]] | None = None  # states out, stacked
         if self.spec.decode_onnx_file and (Path(directory) / self.spec.decode_onnx_file).exists():
             self.decode_session = ort.InferenceSession(
                 str(Path(directory) / self.spec.decode_onnx_file), sess_options=options, providers=["CPUExecutionProvider"]
@@ -134,16 +135,30 @@ class ScorerRuntime:
         tokens: tuple[np.ndarray, ...],  # new_key, new_value, leaving_key, leaving_value: (B, L, Hkv, D)
     ) -> tuple[np.ndarray, list[dict[str, np.ndarray]]]:
         """One decode step (one new token, one leaving token) of B sequences in one call of the decode
-        graph, the sequences in its token axis. -> ((B, L, Hkv) scores, B new states)."""
+        graph, the sequences in its token axis. -> ((B, L, Hkv) scores, B new states).
+
+        The new states are views of the call's (L, Hkv, B, ...) outputs; when the next call gets
+        exactly those states back (the same batch decoding on), it feeds the outputs as they are
+        instead of stacking B states again."""
         feed = dict(zip(("new_key", "new_value", "leaving_key", "leaving_value"),
                         (np.ascontiguousarray(array.transpose(1, 2, 0, 3), np.float32) for array in tokens)))
-        for name in self.spec.state_shapes:
-            feed[name] = np.stack([recurrent[name] for recurrent in recurrents], axis=2)  # (L, Hkv, B, ...)
-        score, *new_state = self.decode_session.run(None, feed)  # (L, Hkv, B), (L, Hkv, B, ...) each
-        by_row = [np.ascontiguousarray(np.moveaxis(state, 2, 0)) for state in new_state]  # (B, L, Hkv, ...): rows contiguous
         names = list(self.spec.state_shapes)
-        states = [{name: state[row] for name, state in zip(names, by_row)} for row in range(len(recurrents))]
+        feed.update(zip(names, self._stacked_states(recurrents)))
+        score, *new_state = self.decode_session.run(None, feed)  # (L, Hkv, B), (L, Hkv, B, ...) each
+        states = [{name: state[:, :, row] for name, state in zip(names, new_state)} for row in range(len(recurrents))]
+        self._last_decode = (states, new_state)
         return score.transpose(2, 0, 1), states
+
+    def _stacked_states(self, recurrents: list[dict[str, np.ndarray]]) -> list[np.ndarray]:
+        """The B states side by side, (L, Hkv, B, ...) per name: the last decode call's outputs when
+        these are exactly the states it returned (same arrays, same order), else stacked anew."""
+        if self._last_decode is not None:
+            states, outputs = self._last_decode
+            if len(states) == len(recurrents) and all(
+                recurrent[name] is state[name] for recurrent, state in zip(recurrents, states) for name in state
+            ):
+                return outputs
+        return [np.stack([recurrent[name] for recurrent in recurrents], axis=2) for name in self.spec.state_shapes]
 
 
 class LearnedScorer(TokenScorer):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import warnings
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
+from torch.nn import functional
 
 from kvpop_train.scorer.network import KINDS, STATE_NAMES, Scorer, ScorerConfig, load_scorer
 
@@ -53,20 +55,79 @@ class _Step(nn.Module):
 
 
 class _DecodeStep(nn.Module):
-    """`Scorer.decode_step` with flat arguments: B sequences' decode steps in one call, sequences in
-    the token axis (L, Hkv, B, ...), inputs and outputs named as the plain step's.
+    """`Scorer.decode_step` with flat arguments, B sequences' decode steps in one call (sequences in
+    the token axis, (L, Hkv, B, ...)), rewritten into fewer graph nodes: the same function.
 
     Why a second graph: the engine's decode step appends one token to every running sequence, and
-    one ONNX call per sequence costs more than the scorer's arithmetic; and the one-token recurrent
-    form is a fraction of the chunk form's operations (each onnxruntime node costs ~1 us on a CPU)."""
+    one ONNX call per sequence costs more than the scorer's arithmetic; the one-token recurrent form
+    is a fraction of the chunk form's operations; and each onnxruntime node costs ~1 us on a CPU, so
+    the weights are rearranged once here: the features' standardisation (affine) and the query's
+    1 / sqrt(M) and the input gate's 1 / cap are folded into the projections, the leaving token's
+    query and its share of the hidden layer are one matmul, the RoPE-pair norms one matmul, and the
+    weights are shaped (L, Hkv, ...) so that nothing is reshaped."""
 
     def __init__(self, scorer: Scorer) -> None:
         super().__init__()
-        self.scorer = scorer
+        config = scorer.config
+        layers, kv_heads, dim, features = config.num_layers, config.num_kv_heads, config.head_dim, config.feature_dim
+        memory, hidden = config.memory_dim, config.hidden_dim
+        self.memory_dim, self.hidden_dim, self.cap = memory, hidden, config.input_gate_cap
+        mean = scorer.feature_mean.detach().reshape(layers, kv_heads, 1, features)
+        std = scorer.feature_std.detach().reshape(layers, kv_heads, 1, features)
 
-    def forward(self, *inputs: torch.Tensor):
-        score, state = self.scorer.decode_step(*inputs)
-        return (score, *state)
+        def per_head(tensor: torch.Tensor) -> torch.Tensor:  # (H, ...) -> (L, Hkv, ...)
+            return tensor.detach().reshape(layers, kv_heads, *tensor.shape[1:])
+
+        def standardised(weight: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            """((x - mean) / std) @ W + b == x @ W' + b' for raw features x."""
+            weight, bias = per_head(weight), per_head(bias)  # (L, Hkv, F, out), (L, Hkv, 1, out)
+            return weight / std.transpose(-1, -2), bias - (mean / std) @ weight
+
+        write_weight, write_bias = standardised(scorer.write.weight, scorer.write.bias)
+        write_weight[..., -2] /= self.cap  # the input gate's tanh cap: cap * tanh(g / cap)
+        write_bias[..., -2] /= self.cap
+        read_weight, read_bias = standardised(scorer.read.weight, scorer.read.bias)
+        hidden_weight = scorer.hidden.weight
+        leaving_weight, leaving_bias = standardised(hidden_weight[:, :features], scorer.hidden.bias)
+        scale = 1.0 / math.sqrt(memory)
+        pair = torch.zeros(dim, dim // 2)  # RoPE pairs coordinate i with i + D/2
+        pair[torch.arange(dim // 2), torch.arange(dim // 2)] = 1.0
+        pair[torch.arange(dim // 2) + dim // 2, torch.arange(dim // 2)] = 1.0
+        self.register_buffer("pair", pair)  # (D, D/2)
+        self.register_buffer("write_weight", write_weight)  # (L, Hkv, F, 2M + 2)
+        self.register_buffer("write_bias", write_bias)
+        self.register_buffer("leaving_weight", torch.cat([read_weight * scale, leaving_weight], dim=-1))  # (L, Hkv, F, M + N)
+        self.register_buffer("leaving_bias", torch.cat([read_bias * scale, leaving_bias], dim=-1))
+        self.register_buffer("read_weight", per_head(hidden_weight[:, features:]))  # (L, Hkv, M, N)
+        self.register_buffer("output_weight", per_head(scorer.output.weight))  # (L, Hkv, N, 1)
+        self.register_buffer("output_bias", per_head(scorer.output.bias))  # (L, Hkv, 1, 1)
+
+    def raw_features(self, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """(L, Hkv, B, D) -> (L, Hkv, B, F): [key; value; key RoPE-pair norms], as Scorer.features before standardising."""
+        return torch.cat([key, value, torch.sqrt((key * key) @ self.pair + 1e-12)], dim=-1)
+
+    def forward(self, *inputs: torch.Tensor):  # onnx_names order: new/leaving key/value (L, Hkv, B, D), state
+        new_key, new_value, leaving_key, leaving_value, memory, normaliser, stabiliser = inputs
+        memory_dim = self.memory_dim
+        written = self.raw_features(new_key, new_value) @ self.write_weight + self.write_bias  # (L, Hkv, B, 2M + 2)
+        key, value, input_gate, forget_gate = written.split([memory_dim, memory_dim, 1, 1], dim=-1)
+        log_input = self.cap * torch.tanh(input_gate)  # (L, Hkv, B, 1)
+        log_forget = functional.logsigmoid(forget_gate)
+        leaving = self.raw_features(leaving_key, leaving_value) @ self.leaving_weight + self.leaving_bias
+        query, hidden = leaving.split([memory_dim, self.hidden_dim], dim=-1)  # (L, Hkv, B, M), (L, Hkv, B, N)
+        # mlstm_step with the gates kept as (..., 1).
+        log_carry = log_forget + stabiliser[..., None]
+        new_stabiliser = torch.maximum(log_carry, log_input)  # (L, Hkv, B, 1)
+        carry, write = torch.exp(log_carry - new_stabiliser), torch.exp(log_input - new_stabiliser)
+        written_key = write * key  # (L, Hkv, B, M)
+        new_memory = carry[..., None] * memory + written_key[..., :, None] * value[..., None, :]  # (L, Hkv, B, K, V)
+        new_normaliser = carry * normaliser + written_key
+        numerator = (query[..., None, :] @ new_memory)[..., 0, :]  # (L, Hkv, B, V)
+        denominator = (query * new_normaliser).sum(-1, keepdim=True)
+        read = numerator / torch.maximum(denominator.abs(), torch.exp(-new_stabiliser))
+        hidden = functional.gelu(hidden + read @ self.read_weight)  # (L, Hkv, B, N)
+        score = hidden @ self.output_weight + self.output_bias  # (L, Hkv, B, 1)
+        return score[..., 0], new_memory, new_normaliser, new_stabiliser[..., 0]
 
 
 def decode_graph_supported(config: ScorerConfig) -> bool:

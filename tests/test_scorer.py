@@ -323,6 +323,32 @@ def test_runtime_decode_graph_matches_one_sequence_steps(exported):
             np.testing.assert_allclose(new_states[row][name], want_state[name], atol=1e-5, rtol=1e-5)
 
 
+def test_runtime_decode_graph_reuses_its_outputs_only_for_the_same_states(exported):
+    """Consecutive decode calls with the states the last call returned feed its outputs as they are;
+    a state replaced in between (a copy, a new order, fewer sequences) is stacked anew: every call
+    gives each sequence what its own single step gives."""
+    from kvpop.scorer.runtime import ScorerRuntime
+
+    directory, _, _ = exported
+    runtime = ScorerRuntime(directory, "mlstm")
+    rng = np.random.default_rng(1)
+    states = [runtime.initial_state().recurrent for _ in range(3)]
+    for call in range(5):
+        if call == 2:  # one state replaced by an equal copy: must not be taken for the old output
+            states[1] = {name: array.copy() for name, array in states[1].items()}
+        if call == 3:  # another order, then fewer sequences
+            states = states[::-1]
+        if call == 4:
+            states = states[:2]
+        tokens = tuple(rng.standard_normal((len(states), 2, 2, 8)).astype(np.float32) for _ in range(4))
+        want = [runtime.step(state, *(array[row, :, :, None] for array in tokens)) for row, state in enumerate(states)]
+        scores, states = runtime.step_decode_batch(states, tokens)
+        for row, (want_scores, want_state) in enumerate(want):
+            np.testing.assert_allclose(scores[row], want_scores[:, :, 0], atol=1e-5)
+            for name in want_state:
+                np.testing.assert_allclose(states[row][name], want_state[name], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["mlstm", "mlp"])
 def test_kvpop_policy_with_learned_scorer_gives_training_scores(exported, kind):
     """Through the slot cache and kvpop policy (a prefill chunk, then decode steps), every token gets

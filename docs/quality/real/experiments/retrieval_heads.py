@@ -43,11 +43,25 @@ _keep: dict = {"mode": None}  # what decode steps may see: set per generation ru
 def _masked_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """Eager attention; on one-token (decode) queries, heads outside the kept set see only sinks and
     the recent window. (B, Hq, 1, S) scores masked per query head before the softmax."""
+    if query.shape[2] != 1 and _keep["mode"] == "select":  # the prefill: each KV head's question-window attention
+        output, weights = _original_eager(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+        groups = module.num_key_value_groups
+        received = weights[0, :, -WINDOW:, :].sum(1)  # (Hq, S): what the prompt's last 64 queries put on each token
+        _keep["prefill"][module.layer_idx] = received.reshape(-1, groups, received.shape[-1]).mean(1)  # (Hkv, S)
+        return output, weights
     if query.shape[2] != 1 or _keep["mode"] in (None, "full"):
         return _original_eager(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     slots = key.shape[2]
     position = torch.arange(slots)
-    if _keep["mode"] == "heads":
+    if _keep["mode"] == "select":  # chosen heads keep sinks + window + their top tokens by prefill attention
+        received = _keep["prefill"][module.layer_idx]  # (Hkv, P)
+        top = torch.zeros(key.shape[1], slots, dtype=torch.bool)
+        chosen = _keep["whole"][module.layer_idx]
+        if chosen.any():
+            index = received[chosen].topk(min(_keep["budget"], received.shape[-1]), dim=-1).indices
+            top[chosen] = torch.zeros(int(chosen.sum()), slots, dtype=torch.bool).scatter(1, index, True)
+        visible = top | ((position < SINKS) | (position >= slots - WINDOW))[None, :]
+    elif _keep["mode"] == "heads":
         visible_local = (position < SINKS) | (position >= slots - WINDOW)  # (S,)
         whole = _keep["whole"][module.layer_idx]  # (Hkv,) bool: retrieval heads keep every token
         visible = whole[:, None] | visible_local[None, :]  # (Hkv, S)
@@ -138,7 +152,9 @@ def evaluate(args) -> int:
     ranking = json.loads(args.heads.read_text())["ranking"]
     tasks = read_tasks(args.tasks)
     rows, started = [], time.time()
-    systems = [("full", None)] + [(f"heads@{r}", r) for r in args.compressions] + [(f"streaming@{r}", r) for r in args.compressions]
+    systems = [(f"{kind}@{r}", r) for kind in args.systems for r in args.compressions]
+    if args.full:
+        systems.insert(0, ("full", None))
     for name, compression in systems:
         correct, outputs, begin = 0, [], time.time()
         for task in tasks:
@@ -153,6 +169,15 @@ def evaluate(args) -> int:
                     whole[layer, head] = True
                 _keep.update(mode="heads", whole=whole)
                 detail = {"whole_heads": k}
+            elif name.startswith("select"):  # R heads with a quarter of the tokens each, chosen by attention
+                budget = (tokens - MAX_TOKENS) // 4
+                total = (1.0 - compression) * tokens * layers * kv_heads
+                k = max(0, min(layers * kv_heads, math.floor((total - layers * kv_heads * (SINKS + WINDOW)) / budget)))
+                whole = torch.zeros(layers, kv_heads, dtype=torch.bool)
+                for layer, head in ranking[:k]:
+                    whole[layer, head] = True
+                _keep.update(mode="select", whole=whole, budget=budget, prefill={})
+                detail = {"selecting_heads": k, "head_budget": budget}
             else:
                 _keep.update(mode="streaming", budget=max(SINKS + 1, math.ceil((1 - compression) * tokens)))
                 detail = {"budget": _keep["budget"]}
@@ -179,6 +204,9 @@ def main() -> int:
         command.add_argument("--out", type=Path, required=True)
     commands.choices["evaluate"].add_argument("--heads", type=Path, required=True)
     commands.choices["evaluate"].add_argument("--compressions", type=float, nargs="+", default=[0.75, 0.88, 0.94])
+    commands.choices["evaluate"].add_argument("--systems", nargs="+", default=["heads", "streaming"],
+                                              choices=["heads", "select", "streaming"])
+    commands.choices["evaluate"].add_argument("--no-full", dest="full", action="store_false", help="leave out the full cache row")
     args = parser.parse_args()
     return calibrate(args) if args.command == "calibrate" else evaluate(args)
 

@@ -209,10 +209,16 @@ def test_mlstm_step_is_the_chunk_form_for_one_token():
 
 
 def test_decode_step_is_each_sequences_own_step():
-    """B sequences in the token axis, each with its own state: each gets exactly its forward's step."""
+    """The decode graph's module (standardisation and scales folded into its weights; B sequences in
+    the token axis, each with its own state): each sequence gets exactly its forward's step."""
+    from kvpop_train.scorer.onnx_export import _DecodeStep
+
     config = CONFIGS["mlstm"]
     torch.manual_seed(1)
     scorer = Scorer(config).eval()
+    with torch.no_grad():  # a standardisation as trained scorers have, so the folding is exercised
+        scorer.feature_mean.normal_()
+        scorer.feature_std.uniform_(0.5, 2.0)
     sequences = []
     for seed in range(3):
         key, value = random_sequence(7, seed)  # (L, Hkv, 7, D): a warm state from 6 tokens, then one step
@@ -222,7 +228,7 @@ def test_decode_step_is_each_sequences_own_step():
         want = [scorer(*tokens, state) for *tokens, state in sequences]
         tokens = [torch.cat([sequence[i] for sequence in sequences], dim=2) for i in range(4)]  # (L, Hkv, B, D)
         states = [torch.stack([sequence[4][i] for sequence in sequences], dim=2) for i in range(3)]  # (L, Hkv, B, ...)
-        score, new_state = scorer.decode_step(*tokens, *states)
+        score, *new_state = _DecodeStep(scorer)(*tokens, *states)
     torch.testing.assert_close(score, torch.cat([w[0] for w in want], dim=2), atol=1e-5, rtol=1e-5)
     for i, got in enumerate(new_state):
         torch.testing.assert_close(got, torch.stack([w[1][i] for w in want], dim=2), atol=1e-5, rtol=1e-5)

@@ -265,35 +265,6 @@ class Scorer(nn.Module):
         score = self.output(functional.gelu(self.hidden(leaving)))  # (H, T, 1)
         return score.reshape(layers, kv_heads, steps), state
 
-    def decode_step(
-        self,
-        new_key: torch.Tensor,  # (L, Hkv, B, D): one new token of each of B sequences, RoPE applied
-        new_value: torch.Tensor,  # (L, Hkv, B, D)
-        leaving_key: torch.Tensor,  # (L, Hkv, B, D): each sequence's token leaving the window now
-        leaving_value: torch.Tensor,  # (L, Hkv, B, D)
-        memory: torch.Tensor,  # (L, Hkv, B, M, M): the B sequences' states side by side
-        normaliser: torch.Tensor,  # (L, Hkv, B, M)
-        stabiliser: torch.Tensor,  # (L, Hkv, B)
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """`forward` for one decode step of B sequences (stateful kind, no attention feature): the B
-        sequences sit where a chunk's tokens would, each row with its own state, and the memory takes
-        the recurrent one-token step. -> ((L, Hkv, B) scores, new state). Exported as the decode graph."""
-        layers, kv_heads, batch, _ = new_key.shape
-        heads, memory_dim = layers * kv_heads, self.config.memory_dim
-        leaving = self.features(leaving_key, leaving_value)  # (H, B, F)
-        written = self.write(self.features(new_key, new_value))  # (H, B, 2M + 2)
-        key, value = written[..., :memory_dim], written[..., memory_dim : 2 * memory_dim]
-        cap = self.config.input_gate_cap
-        log_input = cap * torch.tanh(written[..., -2] / cap)  # (H, B)
-        log_forget = functional.logsigmoid(written[..., -1])  # (H, B)
-        query = self.read(leaving) / math.sqrt(memory_dim)  # (H, B, M)
-        read, *state = mlstm_step(
-            query, key, value, log_input, log_forget, memory.reshape(heads, batch, memory_dim, memory_dim),
-            normaliser.reshape(heads, batch, memory_dim), stabiliser.reshape(heads, batch),
-        )
-        score = self.output(functional.gelu(self.hidden(torch.cat([leaving, read], dim=-1))))  # (H, B, 1)
-        return score.reshape(layers, kv_heads, batch), tuple(s.reshape(layers, kv_heads, *s.shape[1:]) for s in state)
-
     def score_sequence(
         self,
         key: torch.Tensor,  # (L, Hkv, S, D)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from kvpop_train.scorer.network import KINDS, STATE_NAMES, Scorer, ScorerConfig, load_scorer
+from kvpop_train.scorer.network import KINDS, STATE_NAMES, Scorer, ScorerConfig, load_scorer, mlstm_step
 
 TOKEN_INPUTS = ("new_key", "new_value", "leaving_key", "leaving_value")
 ATTENTION_INPUT = "leaving_attention"  # (L, Hkv, T), only with ScorerConfig.attention_feature
@@ -55,8 +55,9 @@ class _Step(nn.Module):
 
 
 class _DecodeStep(nn.Module):
-    """`Scorer.decode_step` with flat arguments, B sequences' decode steps in one call (sequences in
-    the token axis, (L, Hkv, B, ...)), rewritten into fewer graph nodes: the same function.
+    """The scorer's decode step for B sequences in one call, the sequences in the token axis (L, Hkv,
+    B, ...), each row with its own state, and the memory in its one-token recurrent form
+    (`mlstm_step`): each sequence gets exactly its `Scorer.forward` step (tests/test_scorer.py).
 
     Why a second graph: the engine's decode step appends one token to every running sequence, and
     one ONNX call per sequence costs more than the scorer's arithmetic; the one-token recurrent form
@@ -115,19 +116,12 @@ class _DecodeStep(nn.Module):
         log_forget = functional.logsigmoid(forget_gate)
         leaving = self.raw_features(leaving_key, leaving_value) @ self.leaving_weight + self.leaving_bias
         query, hidden = leaving.split([memory_dim, self.hidden_dim], dim=-1)  # (L, Hkv, B, M), (L, Hkv, B, N)
-        # mlstm_step with the gates kept as (..., 1).
-        log_carry = log_forget + stabiliser[..., None]
-        new_stabiliser = torch.maximum(log_carry, log_input)  # (L, Hkv, B, 1)
-        carry, write = torch.exp(log_carry - new_stabiliser), torch.exp(log_input - new_stabiliser)
-        written_key = write * key  # (L, Hkv, B, M)
-        new_memory = carry[..., None] * memory + written_key[..., :, None] * value[..., None, :]  # (L, Hkv, B, K, V)
-        new_normaliser = carry * normaliser + written_key
-        numerator = (query[..., None, :] @ new_memory)[..., 0, :]  # (L, Hkv, B, V)
-        denominator = (query * new_normaliser).sum(-1, keepdim=True)
-        read = numerator / torch.maximum(denominator.abs(), torch.exp(-new_stabiliser))
+        read, new_memory, new_normaliser, new_stabiliser = mlstm_step(
+            query, key, value, log_input[..., 0], log_forget[..., 0], memory, normaliser, stabiliser
+        )
         hidden = functional.gelu(hidden + read @ self.read_weight)  # (L, Hkv, B, N)
         score = hidden @ self.output_weight + self.output_bias  # (L, Hkv, B, 1)
-        return score[..., 0], new_memory, new_normaliser, new_stabiliser[..., 0]
+        return score[..., 0], new_memory, new_normaliser, new_stabiliser
 
 
 def decode_graph_supported(config: ScorerConfig) -> bool:

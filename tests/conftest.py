@@ -14,8 +14,11 @@ def tiny_hf_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from kvpop_train.scorer.train import main as train_scorer
 
     model_dir = build_tiny_llama(tmp_path_factory.mktemp("tiny") / "hf")
-    # A few steps are enough to exercise the learned scorer end to end (not to make it good).
-    train_scorer(["--model", str(model_dir), "--steps", "30", "--num-texts", "8", "--max-tokens", "256", "--threads", "1"])
+    # A few steps are enough to exercise the learned scorer end to end (not to make it good). Window 8:
+    # the tests' budgets of 12-24 slots then keep long-range slots for the scorer to decide (with the
+    # default 64 they would be all sinks + window, where the policy never consults it).
+    train_scorer(["--model", str(model_dir), "--steps", "30", "--num-texts", "8", "--max-tokens", "256", "--threads", "1",
+                  "--window", "8"])
     return model_dir
 
 

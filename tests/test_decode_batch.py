@@ -60,8 +60,8 @@ def test_vectorised_decode_equals_the_per_sequence_path_step_by_step(tiny_onnx_m
             seen_p, position_p, key_p, statistics_p = state_p[request_id]
             assert seen == seen_p and np.array_equal(position, position_p) and np.array_equal(key, key_p)
             assert statistics.keys() == statistics_p.keys()
-            for name in statistics:
-                assert np.array_equal(statistics[name], statistics_p[name]), (request_id, name, steps)
+            for name in statistics:  # scores: the decode graph's and the chunk graph's arithmetic (folded weights)
+                np.testing.assert_allclose(statistics[name], statistics_p[name], atol=1e-5, err_msg=f"{request_id} {name} {steps}")
         steps += 1
     # The learned-scorer sequences did go through the vectorised path, several at a time.
     assert grouped and max(grouped) >= 2

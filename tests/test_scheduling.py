@@ -308,8 +308,9 @@ def test_a_learned_scorer_takes_a_staged_chunk_in_piece_by_piece(tiny_onnx_model
     whole.add_request(long())
     expected = prefilled_cache(whole, "long")
     engine = Engine(decoder, max_batch_size=4, prefill_chunk=24, max_step_tokens=5, learned_scorers=scorers)
+    streams = CacheConfig(policy="streaming", budget=24, sinks=2)  # no scorer calls of their own to count
     for i, prompt in enumerate(RUNNING_PROMPTS):
-        engine.add_request(GenerationRequest(f"s{i}", prompt, SamplingParams(max_tokens=60, ignore_eos=True), config))
+        engine.add_request(GenerationRequest(f"s{i}", prompt, SamplingParams(max_tokens=60, ignore_eos=True), streams))
     engine.step()
     engine.add_request(long())
     runtime = scorers["mlstm"].runtime

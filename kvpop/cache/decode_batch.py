@@ -122,15 +122,18 @@ def _append_group(
 
     # The token leaving the window (every head holds it: it was protected) gets its fixed score.
     leaving = (position == seen - window).argmax(axis=3)  # (B, L, Hkv) slot
-    leaving_key = pool.key[layer, pool_row, head, leaving]  # (B, L, Hkv, D)
-    leaving_value = pool.value[layer, pool_row, head, leaving]
-    states = [cache.policy_state for cache in caches]
-    score[batch, layer, head, leaving] = policy.token_scorer.score_decode_batch(
-        states, token_key, token_value, leaving_key, leaving_value
-    )
-    # Each head drops its lowest-priority unprotected slot (the new token is in the window: kept).
-    protected = (position < sinks) | (position >= seen + 1 - window)
-    dropped = np.where(protected, np.inf, score).argmin(axis=3)  # (B, L, Hkv) slot
+    if policy.long_range_slots(caches[0].budget) == 0:  # the leaving token is the one unprotected slot
+        dropped = leaving  # (B, L, Hkv) slot; no score can change that, so none is computed
+    else:
+        leaving_key = pool.key[layer, pool_row, head, leaving]  # (B, L, Hkv, D)
+        leaving_value = pool.value[layer, pool_row, head, leaving]
+        states = [cache.policy_state for cache in caches]
+        score[batch, layer, head, leaving] = policy.token_scorer.score_decode_batch(
+            states, token_key, token_value, leaving_key, leaving_value
+        )
+        # Each head drops its lowest-priority unprotected slot (the new token is in the window: kept).
+        protected = (position < sinks) | (position >= seen + 1 - window)
+        dropped = np.where(protected, np.inf, score).argmin(axis=3)  # (B, L, Hkv) slot
     pool.key[layer, pool_row, head, dropped] = token_key
     pool.value[layer, pool_row, head, dropped] = token_value
     position[batch, layer, head, dropped] = seen[..., 0]

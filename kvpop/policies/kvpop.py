@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvpop.cache.slot_cache import CacheUpdate
 from kvpop.policies.base import EvictionPolicy, StatisticsUpdate
 from kvpop.policies.scorers import LeavingTokens, TokenScorer, make_scorer
 
@@ -42,15 +43,52 @@ class KVpopPolicy(EvictionPolicy):
     def token_scorer(self) -> TokenScorer:
         return self._scorer
 
+    def long_range_slots(self, budget: int) -> int:
+        """Slots per head kept by score: the budget beyond the sinks and the window. With none, every
+        token leaving the window is dropped whatever its score (this is StreamingLLM), so the scorer
+        is never consulted: a short request at a high compression pays nothing for it."""
+        sinks, window = self.protected_counts(budget)
+        return budget - sinks - window
+
+    def consults_scorer(self, cache, new_tokens: int) -> bool:
+        """Whether an append of `new_tokens` needs the scorer: only when a score can decide an
+        eviction, now (this append evicts) or later (the scorer keeps pace, or cannot catch up)."""
+        if self.long_range_slots(cache.budget) <= 0:
+            return False
+        return not (self._scorer_behind(cache) and cache.length + new_tokens <= cache.budget)
+
+    def _scorer_behind(self, cache) -> bool:
+        """Whether the scorer has not scored this cache's tokens yet. A scorer that reads only keys
+        and values (`TokenScorer.catches_up`) waits until the cache first has to evict: until then every
+        token is still in the cache and no score is needed (a request that never fills its budget never
+        runs it), and that first evicting append takes the whole history in at once, paired exactly as
+        one by one, its leaving tokens from the sinks on (`_first_leaving`)."""
+        return self._scorer.catches_up and cache.tokens_evicted == 0 and self.long_range_slots(cache.budget) > 0
+
+    def _first_leaving(self, cache) -> int:
+        """The first position that leaves the window in the next append and still needs its score."""
+        sinks, window = self.protected_counts(cache.budget)
+        return sinks if self._scorer_behind(cache) else max(cache.tokens_seen - window, sinks)
+
+    @staticmethod
+    def _history(cache) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(positions (n,), key (L, Hkv, n, D), value) of every token seen, in position order: a cache
+        that never evicted holds them all, each head in the same slots."""
+        seen = cache.tokens_seen
+        order = np.argsort(cache.position[0, 0, :seen], kind="stable")
+        return cache.position[0, 0, order], cache.key[:, :, order], cache.value[:, :, order]
+
     def decodes_in_batch(self, cache) -> bool:
         """Whether this full cache's next one-token append may run vectorised with others
         (kvpop.cache.decode_batch): exactly one token leaves the window, the new token stays in it, an
-        unprotected slot exists to drop, and the scorer can score a batch in this state."""
+        unprotected slot exists to drop, and the scorer is not needed or can score a batch in this
+        state."""
         sinks, window = self.protected_counts(cache.budget)
-        return (
-            window >= 1 and cache.budget >= sinks + window and cache.tokens_seen - window >= sinks
-            and self._scorer.scores_decode_batch(cache.policy_state)
-        )
+        if not (window >= 1 and cache.budget >= sinks + window and cache.tokens_seen - window >= sinks):
+            return False
+        if self.long_range_slots(cache.budget) == 0:  # the leaving token is the one dropped: no scorer
+            return True
+        return not self._scorer_behind(cache) and self._scorer.scores_decode_batch(cache.policy_state)
 
     @property
     def statistics(self) -> tuple[str, ...]:
@@ -60,11 +98,18 @@ class KVpopPolicy(EvictionPolicy):
         return self._scorer.init_state()  # the scorer's per-sequence state is the policy's
 
     def observe(self, cache, update) -> StatisticsUpdate:
-        scorer_update = self._scorer.observe(cache, cache.policy_state, update)
+        if not self.consults_scorer(cache, update.num_tokens):  # every score stays 0: none decides anything
+            return StatisticsUpdate({name: np.zeros(update.key.shape[:3], np.float32) for name in self.statistics})
+        state = cache.policy_state
+        seen_update = update  # what the scorer takes in: with its history first when it catches up now
+        if self._scorer_behind(cache) and not self._scorer.scored_in_pieces(state):
+            positions, key, value = self._history(cache)
+            seen_update = CacheUpdate(np.concatenate([positions, update.positions]), np.concatenate([key, update.key], axis=2),
+                                      np.concatenate([value, update.value], axis=2), None, None)
+        scorer_update = self._scorer.observe(cache, state, seen_update)
         new_statistics = {**scorer_update.new, SCORE: np.zeros_like(update.key[..., 0], dtype=np.float32)}  # (L, Hkv, T)
-        sinks, window = self.protected_counts(cache.budget)
-        seen_after = cache.tokens_seen + update.num_tokens
-        first, stop = max(cache.tokens_seen - window, sinks), seen_after - window  # leaving: [first, stop)
+        window = self.protected_counts(cache.budget)[1]
+        first, stop = self._first_leaving(cache), cache.tokens_seen + update.num_tokens - window  # leaving: [first, stop)
         if stop <= first:
             return StatisticsUpdate(new_statistics, scorer_update.cached)
         # The scorer's statistics as they are after this append (its update applied).
@@ -83,14 +128,14 @@ class KVpopPolicy(EvictionPolicy):
             index = slots if old.ndim == 3 else slots[..., None]
             return np.concatenate([np.take_along_axis(old, index, axis=2), new[:, :, new_tokens]], axis=2)
 
-        scored = self._scorer.scored_in_pieces(cache.policy_state)  # then only positions are looked up
+        scored = self._scorer.scored_in_pieces(state)  # then only positions are looked up
         leaving = LeavingTokens(
             positions=gather(cache.position, np.broadcast_to(update.positions, new_statistics[SCORE].shape)),
             key=None if scored else gather(cache.key, update.key),
             value=None if scored else gather(cache.value, update.value),
             statistics={name: gather(statistics[name], new_statistics[name]) for name in self._scorer.statistics},
         )
-        scores = np.asarray(self._scorer.score(cache, cache.policy_state, leaving), dtype=np.float32)
+        scores = np.asarray(self._scorer.score(cache, state, leaving), dtype=np.float32)
         cached_score = cache.statistics[SCORE].copy()  # (L, Hkv, C): the leaving old slots get their score
         np.put_along_axis(cached_score, slots, scores[..., :old_count], axis=2)
         new_statistics[SCORE][:, :, new_tokens] = scores[..., old_count:]
@@ -100,17 +145,22 @@ class KVpopPolicy(EvictionPolicy):
         """Let a learned scorer take a staged chunk's rows in now (`LearnedScorer.take_piece`), each
         paired with the token that leaves the window when it arrives, as `observe` pairs the whole
         chunk's: the chunk's completing step then only looks the scores up (a 246-token SmolLM2 chunk's
-        scorer work, ~45 ms, would otherwise land on one engine step)."""
-        if not self._scorer.takes_pieces:
+        scorer work, ~45 ms, would otherwise land on one engine step). A scorer that catches up takes
+        the cache's history in with the first piece of the chunk that first evicts."""
+        if not self._scorer.takes_pieces or not self.consults_scorer(cache, chunk_length):
             return
-        sinks, window = self.protected_counts(cache.budget)
         seen = cache.tokens_seen  # unchanged while the chunk is staged
-        first, stop = max(seen - window, sinks), seen + chunk_length - window
-        offset = chunk_length - max(stop - first, 0)  # the leaving tokens pair with the chunk's last rows
-        row = np.arange(rows.start, rows.stop)
-        partner = np.where(row >= offset, first + row - offset, -1)  # (t,) position leaving at each row
+        window = self.protected_counts(cache.budget)[1]
+        first = self._first_leaving(cache)
+        position = seen + np.arange(rows.start, rows.stop)  # (t,) the rows' positions
+        new_key, new_value = staged.key[:, :, rows], staged.value[:, :, rows]
+        if self._scorer_behind(cache) and not self._scorer.scored_in_pieces(cache.policy_state):
+            history, history_key, history_value = self._history(cache)
+            position = np.concatenate([history, position])
+            new_key, new_value = np.concatenate([history_key, new_key], axis=2), np.concatenate([history_value, new_value], axis=2)
+        partner = np.where(position - window >= first, position - window, -1)  # (t,) position leaving at each row
         num_layers, num_kv_heads, _, head_dim = staged.key.shape
-        leaving_key = np.zeros((num_layers, num_kv_heads, len(row), head_dim), np.float32)
+        leaving_key = np.zeros((num_layers, num_kv_heads, len(position), head_dim), np.float32)
         leaving_value = np.zeros_like(leaving_key)
         old = (partner >= 0) & (partner < seen)  # in the cache: every head holds it (it was protected)
         if old.any():
@@ -120,8 +170,7 @@ class KVpopPolicy(EvictionPolicy):
         new = partner >= seen  # an earlier row of this chunk (a chunk longer than the window)
         leaving_key[:, :, new] = staged.key[:, :, partner[new] - seen]
         leaving_value[:, :, new] = staged.value[:, :, partner[new] - seen]
-        self._scorer.take_piece(cache.policy_state, staged.key[:, :, rows], staged.value[:, :, rows],
-                                partner, leaving_key, leaving_value)
+        self._scorer.take_piece(cache.policy_state, new_key, new_value, partner, leaving_key, leaving_value)
 
     def score(self, cache, candidates) -> np.ndarray:
         return candidates.statistics[SCORE]

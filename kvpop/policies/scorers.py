@@ -4,7 +4,8 @@ The learned scorers (ONNX mLSTM or MLP per KV head, `kvpop.scorer.runtime.Learne
 this interface; the attention-based `AccumulatedAttentionScorer` below is the stand-in used when a
 model has none. `init_state` returns per-sequence recurrent state (the kvpop policy's state, kept in
 the slot cache, so it travels with the sequence), `observe` sees every new token's key and value
-once, in order, and returns its statistics as a `StatisticsUpdate` (the same contract as a policy's),
+once, in order (a scorer that `catches_up` may see a cache's first tokens late, all at once, when
+the cache first has to evict), and returns its statistics as a `StatisticsUpdate` (the same contract as a policy's),
 and `score` is called only for the tokens leaving the window now. Scores are fixed once given.
 """
 
@@ -52,6 +53,13 @@ class TokenScorer(ABC):
     @property
     def takes_pieces(self) -> bool:
         """Whether `take_piece` may run a staged chunk's pieces through the scorer before its append."""
+        return False
+
+    @property
+    def catches_up(self) -> bool:
+        """Whether the kvpop policy may leave the scorer out while a cache has never had to evict, and
+        hand it the cache's tokens at once when it first must (it reads only keys and values, all still
+        in the cache then: nothing it would have seen is lost)."""
         return False
 
     def take_piece(

@@ -202,6 +202,11 @@ class LearnedScorer(TokenScorer):
         not with the attention feature, whose statistic needs the whole chunk's attention."""
         return not self.statistics
 
+    @property
+    def catches_up(self) -> bool:
+        """Reads keys and values only (no attention feature): a cache's history can come late."""
+        return not self.statistics
+
     def take_piece(self, state: ScorerState, new_key: np.ndarray, new_value: np.ndarray,
                    leaving_positions: np.ndarray, leaving_key: np.ndarray, leaving_value: np.ndarray) -> None:
         """Run a chunk's piece through the memory now, rows paired with their leaving tokens exactly as

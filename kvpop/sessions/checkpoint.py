@@ -24,7 +24,9 @@ from safetensors.numpy import save as save_tensors
 
 from kvpop.sessions.state import SessionState
 
-FORMAT, VERSION = "kvpop-session", 1
+# Version 2: a kvpop cache that never evicted holds a learned scorer that has not taken its tokens in
+# yet (KVpopPolicy catches it up when the cache first evicts); a version-1 state of such a cache had.
+FORMAT, VERSION = "kvpop-session", 2
 SUFFIX = ".safetensors"
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 

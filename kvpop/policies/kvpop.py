@@ -62,8 +62,9 @@ class KVpopPolicy(EvictionPolicy):
         and values (`TokenScorer.catches_up`) waits until the cache first has to evict: until then every
         token is still in the cache and no score is needed (a request that never fills its budget never
         runs it), and that first evicting append takes the whole history in at once, paired exactly as
-        one by one, its leaving tokens from the sinks on (`_first_leaving`)."""
-        return self._scorer.catches_up and cache.tokens_evicted == 0 and self.long_range_slots(cache.budget) > 0
+        one by one, its leaving tokens from the sinks on (`_first_leaving`). Asked only of a cache with
+        long-range slots (without, the scorer is never consulted)."""
+        return self._scorer.catches_up and cache.tokens_evicted == 0
 
     def _first_leaving(self, cache) -> int:
         """The first position that leaves the window in the next append and still needs its score."""
@@ -86,7 +87,7 @@ class KVpopPolicy(EvictionPolicy):
         sinks, window = self.protected_counts(cache.budget)
         if not (window >= 1 and cache.budget >= sinks + window and cache.tokens_seen - window >= sinks):
             return False
-        if self.long_range_slots(cache.budget) == 0:  # the leaving token is the one dropped: no scorer
+        if cache.budget == sinks + window:  # no long-range slot: the leaving token is the one dropped
             return True
         return not self._scorer_behind(cache) and self._scorer.scores_decode_batch(cache.policy_state)
 

@@ -25,11 +25,13 @@ import numpy as np
 from kvpop.engine import CacheConfig, Engine, GenerationRequest, SamplingParams
 
 
-def systems(scorers: list[str], compression: float) -> dict[str, tuple[CacheConfig, bool]]:
-    """name -> (cache config, vectorised decode on)."""
+def systems(scorers: list[str], compression: float, budget: int | None = None) -> dict[str, tuple[CacheConfig, bool]]:
+    """name -> (cache config, vectorised decode on); kvpop at `budget` slots per head when given, else
+    at `compression` (a short prompt at 88% leaves no long-range slot: then no scorer runs)."""
     table = {"full": (CacheConfig(policy="full"), True)}
     for kind in scorers:
-        config = CacheConfig(policy="kvpop", compression=compression, scorer=kind)
+        size = {"budget": budget} if budget is not None else {"compression": compression}
+        config = CacheConfig(policy="kvpop", scorer=kind, **size)
         table[f"kvpop:{kind}"] = (config, True)
         table[f"kvpop:{kind} per-sequence"] = (config, False)
     return table
@@ -43,12 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=100)
     parser.add_argument("--output-tokens", type=int, nargs="+", default=[32, 256])
     parser.add_argument("--compression", type=float, default=0.88)
+    parser.add_argument("--budget", type=int, default=None, help="kvpop at this many slots per head instead of --compression")
     parser.add_argument("--min-chunk", type=int, default=64, help="the service's min_prefill_chunk_tokens")
     parser.add_argument("--repetitions", type=int, default=7)
     args = parser.parse_args(argv)
 
     probe = Engine.from_model_dir(args.model)
-    table = systems(sorted(probe.learned_scorers), args.compression)
+    table = systems(sorted(probe.learned_scorers), args.compression, args.budget)
     engines = {}
     for name, (_, batched) in table.items():
         engines[name] = Engine.from_model_dir(args.model, max_batch_size=args.batch, min_bounded_chunk=args.min_chunk)
@@ -78,14 +81,14 @@ def main(argv: list[str] | None = None) -> int:
         "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)), "wall_s": time.time() - started,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "load_average": os.getloadavg(),
         "model": str(args.model), "batch": args.batch, "prompt_tokens": args.prompt_tokens,
-        "compression": args.compression, "min_chunk": args.min_chunk, "repetitions": args.repetitions, "rows": rows,
+        "compression": None if args.budget else args.compression, "budget": args.budget, "min_chunk": args.min_chunk, "repetitions": args.repetitions, "rows": rows,
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "policy_overhead.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [
         f"Measured {report['measured']} on {report['machine']} (load average {report['load_average'][0]:.1f}); "
-        f"model {args.model}; {args.batch} prompts of {args.prompt_tokens} tokens; kvpop at {args.compression:.0%} "
-        f"compression; medians of {args.repetitions} interleaved repetitions.", "",
+        f"model {args.model}; {args.batch} prompts of {args.prompt_tokens} tokens; kvpop at "
+        f"{f'{args.budget} slots per head' if args.budget else f'{args.compression:.0%} compression'}; medians of {args.repetitions} interleaved repetitions.", "",
         "| generated tokens | system | median ms | full / system |", "|---|---|---|---|",
         *(f"| {row['output_tokens']} | {row['system']} | {row['median_s'] * 1e3:.1f} | {row['full_over_system']:.2f} |" for row in rows),
     ]

@@ -85,8 +85,12 @@ def prompt(rng: np.random.Generator, tokens: int, vocab: int) -> list[int]:
     return [int(token) for token in rng.integers(3, vocab, size=tokens)]
 
 
+# kvpop's size: 88% (a short chat then has no long-range slot: no scorer runs); `--kvpop-budget N`: N slots.
+KVPOP_SIZE: dict = {"compression": 0.88}
+
+
 def request(name: str, ids: list[int], policy: str, max_tokens: int) -> GenerationRequest:
-    cache = CacheConfig(policy="full") if policy == "full" else CacheConfig(policy="kvpop", compression=0.88, scorer="mlstm", window=16)
+    cache = CacheConfig(policy="full") if policy == "full" else CacheConfig(policy="kvpop", scorer="mlstm", window=16, **KVPOP_SIZE)
     return GenerationRequest(name, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), cache)
 
 
@@ -190,7 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-chunk", type=int, default=64, help="the service's min_prefill_chunk_tokens")
     parser.add_argument("--no-mixed", action="store_true",
                         help="run decode steps and prompt pieces in separate decoder calls even when the export has the mixed step")
+    parser.add_argument("--kvpop-budget", type=int, default=None, help="kvpop at this many slots per head instead of 88%%")
     args = parser.parse_args(argv)
+    if args.kvpop_budget is not None:
+        KVPOP_SIZE.clear()
+        KVPOP_SIZE["budget"] = args.kvpop_budget
 
     results: dict[str, dict] = defaultdict(dict)
     for policy in args.policies:
@@ -210,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"model": str(args.model), "prefill_chunk": args.prefill_chunk, "prefill_pacing": args.prefill_pacing,
-                                        "mixed_step": engine.decoder.has_mixed_step,
+                                        "mixed_step": engine.decoder.has_mixed_step, "kvpop": KVPOP_SIZE,
                                         "reason_streams": args.reason_streams, "results": results}, indent=2) + "\n")
         args.out.with_suffix(".md").write_text(text.lstrip() + "\n")
     return 0

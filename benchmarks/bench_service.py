@@ -219,26 +219,27 @@ def stall_probe(url: str, system: str, vocab: int, stream_tokens: int) -> dict:
 # -- servers -------------------------------------------------------------------------------------
 
 
-def start_triton(model_dir: Path, root: Path, parameters: dict[str, str], log: Path):
+def start_triton(model_dir: Path, root: Path, parameters: dict[str, str], log: Path, config_name: str | None = "cpu"):
+    """`config_name`: the kvpop_engine config (`cpu`, `single_gpu`, None for the two-GPU config.pbtxt)."""
     from kvpop.serving.launcher import TritonServer, free_port
     from tests.e2e.conftest import build_model_repository
 
     build_model_repository(root, model_dir, parameters)
     server = TritonServer(
         model_repository=root, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-        address="127.0.0.1", model_config_name="cpu", log_file=log,
+        address="127.0.0.1", model_config_name=config_name, log_file=log,
     )
     server.start().wait_ready()
     return server
 
 
-def start_classic(hf_model: Path, max_batch: int, log: Path):
+def start_classic(hf_model: Path, max_batch: int, log: Path, dtype: str):
     from kvpop.serving.launcher import free_port
 
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "benchmarks.classic_server", "--model", str(hf_model), "--port", str(port),
-         "--max-batch", str(max_batch), "--threads", str(os.cpu_count() or 2)],
+         "--max-batch", str(max_batch), "--threads", str(os.cpu_count() or 2), "--device", "auto", "--dtype", dtype],
         cwd=REPO_ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
     )
     deadline = time.time() + 120
@@ -373,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="systems to measure (default all three; a long run may leave out one measured before)")
     parser.add_argument("--engine-parameter", action="append", default=[], metavar="KEY=VALUE",
                         help="a kvpop_engine config.pbtxt parameter for both servers (repeatable)")
+    parser.add_argument("--model-config", default="auto", choices=["auto", "cpu", "single_gpu", "two_gpu"],
+                        help="kvpop_engine config: auto picks by the GPUs nvidia-smi lists, as `make serve` does")
     parser.add_argument("--kvpop-budget", type=int, default=None,
                         help="kvpop requests ask for this many slots per head instead of 88%% compression")
     args = parser.parse_args(argv)
@@ -381,8 +384,11 @@ def main(argv: list[str] | None = None) -> int:
         KVPOP_OPTIONS["kv_budget"] = args.kvpop_budget
 
     from kvpop.model_spec import ModelSpec
+    from kvpop.serving.launcher import choose_model_config, count_gpus
 
     systems = tuple(system for system in SYSTEMS if system in args.systems)  # the canonical order
+    gpus = count_gpus()
+    config_name = {"auto": choose_model_config(gpus), "two_gpu": None}.get(args.model_config, args.model_config)
 
     spec = ModelSpec.load(args.model)
     all_workloads = {
@@ -409,14 +415,14 @@ def main(argv: list[str] | None = None) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="bench-service-"))
     servers, classics = {}, {}
     try:
-        servers["main"] = start_triton(args.model, scratch / "repo-main", base_parameters, scratch / "triton-main.log")
+        servers["main"] = start_triton(args.model, scratch / "repo-main", base_parameters, scratch / "triton-main.log", config_name)
         measure_classic = "classic" in systems
         if measure_classic:
-            classics["main"] = start_classic(args.hf_model, 8, scratch / "classic-main.log")
+            classics["main"] = start_classic(args.hf_model, 8, scratch / "classic-main.log", spec.dtype)
         if any(w.pool for w in workloads):
-            servers["pool"] = start_triton(args.model, scratch / "repo-pool", pool_parameters, scratch / "triton-pool.log")
+            servers["pool"] = start_triton(args.model, scratch / "repo-pool", pool_parameters, scratch / "triton-pool.log", config_name)
             if measure_classic:
-                classics["pool"] = start_classic(args.hf_model, 4, scratch / "classic-pool.log")
+                classics["pool"] = start_classic(args.hf_model, 4, scratch / "classic-pool.log", spec.dtype)
         urls = {key: (server.grpc_url, classics[key][1] if measure_classic else None) for key, server in servers.items()}
 
         for key, (grpc_url, classic_url) in urls.items():  # warm up every system
@@ -465,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
 
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared), no GPU",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared), " + (f"{gpus} GPU(s)" if gpus else "no GPU"),
+        "model_config": config_name or "config.pbtxt (two GPUs)",
         "model": str(args.model),
         "hf_model": str(args.hf_model),
         "repetitions": args.repetitions,

@@ -33,13 +33,15 @@ class _Job:
 class DynamicBatcher:
     """One thread that runs `generate` over whatever queued within max_wait of the first request."""
 
-    def __init__(self, model_dir: Path, max_batch: int, max_wait_ms: float, threads: int) -> None:
+    def __init__(self, model_dir: Path, max_batch: int, max_wait_ms: float, threads: int, device: str = "cpu",
+                 dtype: str = "float32") -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(threads)
         self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(self.device).eval()
         self.pad = self.model.config.pad_token_id or 0
         self.max_batch, self.max_wait = max_batch, max_wait_ms / 1000
         self.queue: list[_Job] = []
@@ -73,7 +75,7 @@ class DynamicBatcher:
                 new_tokens = max(job.max_tokens for job in batch)
                 with torch.no_grad():
                     out = self.model.generate(
-                        ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                        ids.to(self.device), attention_mask=mask.to(self.device), do_sample=False, max_new_tokens=new_tokens,
                         min_new_tokens=new_tokens, pad_token_id=self.pad,
                     )
                 for row, job in enumerate(batch):
@@ -119,10 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--max-wait-ms", type=float, default=5.0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="auto", help="auto (cuda when torch sees a GPU), cpu or cuda[:N]")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                        help="weights as the service's export has them (a GPU export may be float16)")
     args = parser.parse_args(argv)
     import uvicorn
 
-    app = build_app(DynamicBatcher(args.model, args.max_batch, args.max_wait_ms, args.threads))
+    app = build_app(DynamicBatcher(args.model, args.max_batch, args.max_wait_ms, args.threads, args.device, args.dtype))
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
     return 0
 

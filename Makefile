@@ -6,6 +6,7 @@ PY := $(VENV)/bin/python
 SETUP_STAMP := $(VENV)/.kvpop-setup
 
 MODEL ?=
+DTYPE ?= float32# the decoder step's weights, KV cache and logits; float16 halves both on a GPU
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
@@ -65,8 +66,8 @@ $(REAL_MODEL_STAMP): requirements/real-model.txt | $(SETUP_STAMP)
 	$(PY) -m export.real_model --out $(REAL_MODEL)
 	@touch $@
 
-export: setup $(if $(MODEL),,model)  ## export MODEL=<hf dir> (default: SmolLM2-135M-Instruct; MODEL=models/reference) into model_repository/
-	$(PY) -m export --model $(or $(MODEL),$(REAL_MODEL))
+export: setup $(if $(MODEL),,model)  ## export MODEL=<hf dir> (default: SmolLM2-135M-Instruct; MODEL=models/reference; DTYPE=float16 for GPUs) into model_repository/
+	$(PY) -m export --model $(or $(MODEL),$(REAL_MODEL)) --dtype $(DTYPE)
 
 serve: setup  ## run tritonserver in the foreground (HTTP 8000, gRPC 8001, metrics 8002; Ctrl-C stops)
 	$(PY) -m kvpop.serving.launcher --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \

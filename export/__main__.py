@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="trained KVpop scorers (default: MODEL/scorer, else scorers/<model directory name>/)")
     parser.add_argument("--scorers-only", action="store_true",
                         help="re-export only the scorers into an existing export of --model (after retraining them)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16"],
+                        help="weights, KV cache and logits of the decoder step (float16: for GPU instances)")
     args = parser.parse_args(argv)
 
     from export.pipeline import ExportError, export_model, export_scorers_only
@@ -59,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                 print("[export] no --model given and no reference model: building a tiny random Llama", flush=True)
                 model_dir = build_tiny_llama(Path(scratch) / "tiny-llama")
         try:
-            report = export_model(model_dir, args.output, args.scorer_dir)
+            report = export_model(model_dir, args.output, args.scorer_dir, dtype=args.dtype)
         except ExportError as error:
             print(f"[export] FAILED: {error}", file=sys.stderr)
             return 1

@@ -19,14 +19,15 @@ from export.decoder_step import (
 )
 
 
-def example_step_inputs(step: SlotCacheDecoderStep, num_layers: int, batch: int = 2, new_tokens: int = 3, slots: int = 4) -> tuple[torch.Tensor, ...]:
+def example_step_inputs(step: SlotCacheDecoderStep, num_layers: int, batch: int = 2, new_tokens: int = 3, slots: int = 4,
+                        dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
     """Small inputs with every dynamic dimension >= 2, so the exporter does not specialise them."""
     cache_shape = (num_layers, batch, step.num_kv_heads, slots, step.head_dim)
     return (
         torch.zeros(batch, new_tokens, dtype=torch.int64),
         torch.arange(slots, slots + new_tokens).repeat(batch, 1),
-        torch.zeros(cache_shape),
-        torch.zeros(cache_shape),
+        torch.zeros(cache_shape, dtype=dtype),
+        torch.zeros(cache_shape, dtype=dtype),
         torch.ones(batch, slots, dtype=torch.bool),
     )
 
@@ -50,21 +51,23 @@ def _export(module: torch.nn.Module, inputs: tuple, dynamic_shapes, input_names,
     return onnx_path
 
 
-def export_decoder_step(causal_lm: torch.nn.Module, onnx_path: Path) -> Path:
-    """Write the decoder step as ONNX (fp32). Weights go to an external-data file beside it."""
-    step = SlotCacheDecoderStep(causal_lm.float().eval()).eval()
+def export_decoder_step(causal_lm: torch.nn.Module, onnx_path: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """Write the decoder step as ONNX with weights, cache and logits in `dtype` (attention scores and
+    softmax stay fp32, as `SlotCacheDecoderStep` computes them). `causal_lm` must already be in `dtype`.
+    Weights go to an external-data file beside it."""
+    step = SlotCacheDecoderStep(causal_lm.eval()).eval()
     dims = torch.export.Dim("batch"), torch.export.Dim("tokens"), torch.export.Dim("slots")
-    return _export(step, example_step_inputs(step, len(step.decoder.layers)), _step_dynamic_shapes("", *dims),
+    return _export(step, example_step_inputs(step, len(step.decoder.layers), dtype=dtype), _step_dynamic_shapes("", *dims),
                    STEP_INPUT_NAMES, STEP_OUTPUT_NAMES, onnx_path)
 
 
-def export_mixed_step(causal_lm: torch.nn.Module, onnx_path: Path, weights_of: Path) -> Path:
+def export_mixed_step(causal_lm: torch.nn.Module, onnx_path: Path, weights_of: Path, dtype: torch.dtype = torch.float32) -> Path:
     """Write the mixed decode + prompt step (`MixedDecoderStep`) as ONNX whose weights are those of the
-    exported step `weights_of` (its external-data file): no second copy on disk."""
-    step = MixedDecoderStep(causal_lm.float().eval()).eval()
+    exported step `weights_of` (its external-data file): no second copy on disk. `causal_lm` in `dtype`."""
+    step = MixedDecoderStep(causal_lm.eval()).eval()
     layers = len(step.decoder.layers)
-    decode = example_step_inputs(step, layers, batch=2, new_tokens=1, slots=5)
-    prompt = example_step_inputs(step, layers, batch=3, new_tokens=4, slots=6)
+    decode = example_step_inputs(step, layers, batch=2, new_tokens=1, slots=5, dtype=dtype)
+    prompt = example_step_inputs(step, layers, batch=3, new_tokens=4, slots=6, dtype=dtype)
     dynamic_shapes = {
         **_step_dynamic_shapes("decode_", torch.export.Dim("decode_batch"), None, torch.export.Dim("decode_slots")),
         **_step_dynamic_shapes("prompt_", torch.export.Dim("prompt_batch"), torch.export.Dim("prompt_tokens"),

@@ -32,7 +32,7 @@ class _Stages:
         print(f"[export {self.index}/{self.total} +{time.time() - self.start:5.1f}s] {message}", flush=True)
 
 
-def model_spec_from_config(config, architecture: str, tokenizer) -> ModelSpec:
+def model_spec_from_config(config, architecture: str, tokenizer, dtype: str = "float32") -> ModelSpec:
     eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
     return ModelSpec(
@@ -42,7 +42,7 @@ def model_spec_from_config(config, architecture: str, tokenizer) -> ModelSpec:
         num_kv_heads=config.num_key_value_heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
         vocab_size=config.vocab_size,
-        dtype="float32",
+        dtype=dtype,
         max_position_embeddings=config.max_position_embeddings,
         bos_token_id=config.bos_token_id if config.bos_token_id is not None else tokenizer.bos_token_id,
         eos_token_ids=eos_ids,
@@ -57,15 +57,19 @@ def scorer_dir_for(model_dir: Path) -> Path:
     return beside if beside.is_dir() else SHIPPED_SCORERS / Path(model_dir).resolve().name
 
 
-def export_model(model_dir: Path, output_dir: Path, scorer_dir: Path | None = None) -> dict:
+def export_model(model_dir: Path, output_dir: Path, scorer_dir: Path | None = None, dtype: str = "float32") -> dict:
     """Export `model_dir` into `output_dir` (a Triton model version directory) and return the report.
-    The scorers come from `scorer_dir` (default: scorer_dir_for(model_dir))."""
+    The scorers come from `scorer_dir` (default: scorer_dir_for(model_dir)). `dtype` float16 writes the
+    decoder step's weights, KV cache and logits in half precision (GPU instances); parity is still
+    checked against the float32 model, at PARITY_TOLERANCES[dtype]."""
+    import copy
+
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from export.decoder_step import UnsupportedModelError, check_supported
     from export.onnx_export import export_decoder_step, export_mixed_step
-    from export.parity import check_parity
+    from export.parity import PARITY_TOLERANCES, check_parity
     from export.slot_writer import export_slot_writer
     from export.step_variants import check_mixed_step, check_variants, variant_paths, write_step_variants
     from kvpop.decoder import DecoderStep, mixed_step_path
@@ -82,7 +86,9 @@ def export_model(model_dir: Path, output_dir: Path, scorer_dir: Path | None = No
         raise ExportError(str(error)) from error
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     causal_lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    spec = model_spec_from_config(config, architecture, tokenizer)
+    if dtype not in PARITY_TOLERANCES:
+        raise ExportError(f"dtype must be one of {sorted(PARITY_TOLERANCES)}, got {dtype!r}")
+    spec = model_spec_from_config(config, architecture, tokenizer, dtype)
     sliding_window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
     if sliding_window:
         # The step attends to every valid slot: identical to the model while a cache holds at most
@@ -96,9 +102,12 @@ def export_model(model_dir: Path, output_dir: Path, scorer_dir: Path | None = No
     mixed_path = mixed_step_path(decoder_path)
     for stale in (decoder_path, output_dir / (spec.decoder_file + ".data"), *variant_paths(decoder_path).values(), mixed_path):
         stale.unlink(missing_ok=True)
-    export_decoder_step(causal_lm, decoder_path)
+    torch_dtype = getattr(torch, dtype)
+    exported_lm = causal_lm if torch_dtype == torch.float32 else copy.deepcopy(causal_lm).to(torch_dtype)  # the reference stays fp32
+    export_decoder_step(exported_lm, decoder_path, torch_dtype)
     write_step_variants(decoder_path)  # last-position logits, with and without attention (the engine's)
-    export_mixed_step(causal_lm, mixed_path, weights_of=decoder_path)  # a decode batch + prompt pieces in one call
+    export_mixed_step(exported_lm, mixed_path, weights_of=decoder_path, dtype=torch_dtype)  # a decode batch + prompt pieces in one call
+    del exported_lm
     export_slot_writer(output_dir, spec.dtype)  # keeps the batch's cache on the GPU between steps
 
     stage("writing tokenizer and model spec")
@@ -108,7 +117,7 @@ def export_model(model_dir: Path, output_dir: Path, scorer_dir: Path | None = No
     spec.save(output_dir)
 
     stage("checking parity: ONNX vs Hugging Face (prefill, and decode through a shuffled slot cache)")
-    parity = check_parity(causal_lm, DecoderStep(output_dir))
+    parity = check_parity(causal_lm, DecoderStep(output_dir), tolerance=PARITY_TOLERANCES[dtype])
     report = {
         "source_model": str(model_dir.resolve()),
         "architecture": architecture,
@@ -126,9 +135,10 @@ def export_model(model_dir: Path, output_dir: Path, scorer_dir: Path | None = No
         f"{parity.logit_scale:.1f} (tolerance {parity.tolerance:.0e}); greedy token agrees at "
         f"{parity.top1_agreement:.0%} of positions"
     )
-    if report["step_variants_max_abs_diff"] > 1e-5:
+    same = 1e-5 if dtype == "float32" else PARITY_TOLERANCES[dtype]  # two graphs of one model, in its precision
+    if report["step_variants_max_abs_diff"] > same:
         raise ExportError(f"the lean step variants differ from the exported step: {report['step_variants_max_abs_diff']:.2e}")
-    if report["mixed_step_max_abs_diff"] > 1e-5 * max(1.0, parity.logit_scale):
+    if report["mixed_step_max_abs_diff"] > same * max(1.0, parity.logit_scale):
         raise ExportError(f"the mixed step differs from the exported step: {report['mixed_step_max_abs_diff']:.2e}")
     if not parity.passed:
         raise ExportError(f"parity check failed: {parity.as_dict()} (report in {output_dir / REPORT_FILENAME})")

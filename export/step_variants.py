@@ -118,8 +118,8 @@ def check_variants(decoder_path: Path, seed: int = 0) -> float:
     feed = {
         "input_ids": rng.integers(0, spec.vocab_size, (batch, tokens)).astype(np.int64),
         "position_ids": np.tile(np.arange(slots, slots + tokens, dtype=np.int64), (batch, 1)),
-        "past_key": rng.standard_normal(shape).astype(np.float32),
-        "past_value": rng.standard_normal(shape).astype(np.float32),
+        "past_key": rng.standard_normal(shape).astype(spec.dtype),
+        "past_value": rng.standard_normal(shape).astype(spec.dtype),
         "slot_mask": np.arange(slots)[None, :] < np.array([[slots], [slots - 3]]),
     }
     full = ort.InferenceSession(str(decoder_path), providers=["CPUExecutionProvider"])
@@ -131,7 +131,7 @@ def check_variants(decoder_path: Path, seed: int = 0) -> float:
         for output, value in zip(session.get_outputs(), session.run(None, feed)):
             if value.shape != reference[output.name].shape:
                 raise ValueError(f"{path.name}: {output.name} has shape {value.shape}, expected {reference[output.name].shape}")
-            worst = max(worst, float(np.abs(value - reference[output.name]).max()))
+            worst = max(worst, float(np.abs(value.astype(np.float32) - reference[output.name].astype(np.float32)).max()))
     return worst
 
 
@@ -152,8 +152,8 @@ def check_mixed_step(decoder_path: Path, seed: int = 0) -> float:
         return {
             "input_ids": rng.integers(0, spec.vocab_size, (batch, tokens)).astype(np.int64),
             "position_ids": np.tile(np.arange(slots, slots + tokens, dtype=np.int64), (batch, 1)),
-            "past_key": rng.standard_normal(shape).astype(np.float32),
-            "past_value": rng.standard_normal(shape).astype(np.float32),
+            "past_key": rng.standard_normal(shape).astype(spec.dtype),
+            "past_value": rng.standard_normal(shape).astype(spec.dtype),
             "slot_mask": rng.random((batch, slots)) < 0.8,
         }
 
@@ -172,7 +172,7 @@ def check_mixed_step(decoder_path: Path, seed: int = 0) -> float:
             for value, expected in ((logits, reference[0][:, -1:]), (new_key, reference[1]), (new_value, reference[2])):
                 if value.shape != expected.shape:
                     raise ValueError(f"mixed step output of shape {value.shape}, expected {expected.shape}")
-                worst = max(worst, float(np.abs(value - expected).max()))
+                worst = max(worst, float(np.abs(value.astype(np.float32) - expected.astype(np.float32)).max()))
     return worst
 
 

@@ -113,3 +113,25 @@ def test_parity_is_relative_to_the_logit_scale_and_checks_the_greedy_token(tiny_
     reference = np.array([[0.0, 5.0, 4.99999], [3.0, 0.0, 1.0]])
     exported = np.array([[0.0, 4.99998, 5.0], [0.0, 3.0, 1.0]])  # a tie flips; a clear winner is lost
     assert _top1_check(reference, exported, error=1e-5) == (0, 1)
+
+
+def test_a_float16_export_keeps_parity_and_serves_the_same_greedy_tokens(tiny_hf_model_dir, tiny_onnx_model_dir, tmp_path):
+    """`--dtype float16` (GPU instances): weights, KV cache and logits in half precision, parity checked
+    against the float32 model at its own tolerance; the engine runs every policy on it (the learned
+    scorer reads float16 keys), with half the KV bytes, and on the tiny model the same greedy tokens."""
+    from export.parity import PARITY_TOLERANCES
+    from kvpop.engine import CacheConfig, Engine, GenerationRequest, SamplingParams
+
+    report = export_model(tiny_hf_model_dir, tmp_path / "fp16", dtype="float16")
+    assert report["parity"]["passed"] and report["parity"]["tolerance"] == PARITY_TOLERANCES["float16"]
+    assert report["parity"]["top1_agreement"] == 1.0
+    assert ModelSpec.load(tmp_path / "fp16").dtype == "float16"
+    assert DecoderStep(tmp_path / "fp16", threads=1).empty_cache(slots=2)[0].dtype == np.float16
+    half, single = Engine.from_model_dir(tmp_path / "fp16", prefill_chunk=16), Engine.from_model_dir(tiny_onnx_model_dir, prefill_chunk=16)
+    prompt = list(range(3, 60))
+    for config in (CacheConfig(policy="full"), CacheConfig(policy="kvpop", budget=24, sinks=2, scorer="mlstm"),
+                   CacheConfig(policy="h2o", budget=24, window=4)):
+        runs = [engine.generate([GenerationRequest(f"{tag}-{config.policy}", prompt, SamplingParams(max_tokens=12, ignore_eos=True), config)])[0]
+                for tag, engine in (("half", half), ("single", single))]
+        assert runs[0].output_ids == runs[1].output_ids, config.policy
+        assert runs[0].peak_kv_bytes * 2 == runs[1].peak_kv_bytes

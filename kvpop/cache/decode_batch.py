@@ -122,7 +122,7 @@ def _append_group(
 
     # The token leaving the window (every head holds it: it was protected) gets its fixed score.
     leaving = (position == seen - window).argmax(axis=3)  # (B, L, Hkv) slot
-    if policy.long_range_slots(caches[0].budget) == 0:  # the leaving token is the one unprotected slot
+    if caches[0].budget == sinks + window:  # no long-range slot: the leaving token is the one unprotected slot
         dropped = leaving  # (B, L, Hkv) slot; no score can change that, so none is computed
     else:
         leaving_key = pool.key[layer, pool_row, head, leaving]  # (B, L, Hkv, D)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -27,24 +28,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[4]))
 from kvpop import engine as engine_module  # noqa: E402
 from kvpop.scorer import runtime  # noqa: E402
 
-MODE = sys.argv.pop(1)
 original_score, original_batch = runtime.LearnedScorer.score, runtime.LearnedScorer.score_decode_batch
 
 
-def protect_needles(tokens_before: int) -> None:
-    from transformers import AutoTokenizer
-
-    model_dir = Path(sys.argv[sys.argv.index("--model") + 1])
-    tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer")
-    answers = [json.loads(line)["answer"] for line in open(sys.argv[sys.argv.index("--tasks") + 1])]
+def protect_needles(tokenizer, targets_for: Callable[[list[int]], Iterable[str]], tokens_before: int) -> None:
+    """Patch the engine so that, in every sequence, each occurrence of a target string (tokenized alone and
+    after a space) and the `tokens_before` tokens before it get an infinite learned score (never evicted).
+    `targets_for(prompt_ids)` names the strings to protect in that prompt."""
     protected: dict[int, set[int]] = {}  # id(cache) -> prompt positions never evicted
     new_sequence = engine_module.Engine._new_sequence
 
     def patched_new_sequence(self, request):
         sequence = new_sequence(self, request)
         ids, span = request.prompt_ids, set()
-        for answer in answers:  # only the asked answer's digits occur in its prompt
-            for text in (answer, " " + answer):
+        for target in targets_for(ids):
+            for text in (target, " " + target):
                 needle = tokenizer(text, add_special_tokens=False)["input_ids"]
                 for start in range(len(ids) - len(needle) + 1):
                     if ids[start : start + len(needle)] == needle:
@@ -72,15 +70,27 @@ def share_scores(axes_single: tuple[int, ...], axes_batch: tuple[int, ...]) -> N
     runtime.LearnedScorer.score_decode_batch = lambda self, *a: share(original_batch(self, *a), axes_batch)  # (B, L, Hkv)
 
 
-if MODE == "oracle":
-    protect_needles(int(sys.argv.pop(1)))
-elif MODE == "share-layer":
-    share_scores((1,), (2,))
-elif MODE == "share-model":
-    share_scores((0, 1), (1, 2))
-elif MODE != "share-none":
-    raise SystemExit(f"unknown mode {MODE!r}")
+def main() -> int:
+    mode = sys.argv.pop(1)
+    if mode == "oracle":
+        from transformers import AutoTokenizer
 
-from kvpop import eval as evaluation  # noqa: E402
+        tokens_before = int(sys.argv.pop(1))
+        model_dir = Path(sys.argv[sys.argv.index("--model") + 1])
+        answers = [json.loads(line)["answer"] for line in open(sys.argv[sys.argv.index("--tasks") + 1])]
+        # only the asked answer's digits occur in its prompt
+        protect_needles(AutoTokenizer.from_pretrained(model_dir / "tokenizer"), lambda ids: answers, tokens_before)
+    elif mode == "share-layer":
+        share_scores((1,), (2,))
+    elif mode == "share-model":
+        share_scores((0, 1), (1, 2))
+    elif mode != "share-none":
+        raise SystemExit(f"unknown mode {mode!r}")
 
-sys.exit(evaluation.main())
+    from kvpop import eval as evaluation
+
+    return evaluation.main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -14,12 +14,10 @@ Tasks: python -m benchmarks.english_tasks write --model models/smollm2-135m-inst
 """
 import argparse, json, re, sys, time
 from pathlib import Path
-import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[4]))
-from kvpop import engine as engine_module
-from kvpop.scorer import runtime
 from kvpop import eval as ev
 from kvpop.engine import CacheConfig, Engine
+from needle_oracle import protect_needles  # the same patch as the session-7 oracle
 
 p = argparse.ArgumentParser()
 p.add_argument("--model", default="model_repository/kvpop_engine/1")
@@ -40,33 +38,8 @@ tok = engine.tokenizer
 
 if a.oracle is not None:
     answers = [str(t["answer"]) for t in tasks]
-    protected = {}
-    new_sequence = engine_module.Engine._new_sequence
-    original_score = runtime.LearnedScorer.score
-    def patched_new_sequence(self, request):
-        sequence = new_sequence(self, request)
-        ids, span = request.prompt_ids, set()
-        if a.oracle_numbers:
-            text = tok.decode(ids)
-            targets = set(re.findall(r"\d{6}", text))
-        else:
-            targets = answers
-        for answer in targets:
-            for t in (answer, " " + answer):
-                needle = tok(t, add_special_tokens=False)["input_ids"]
-                for start in range(len(ids) - len(needle) + 1):
-                    if ids[start:start + len(needle)] == needle:
-                        span.update(range(max(0, start - a.oracle), start + len(needle)))
-        protected[id(sequence.cache)] = span
-        return sequence
-    def patched_score(self, cache, state, leaving):
-        scores = np.array(original_score(self, cache, state, leaving), dtype=np.float32)
-        span = protected.get(id(cache))
-        if span:
-            scores[np.isin(leaving.positions, list(span))] = 1e9
-        return scores
-    engine_module.Engine._new_sequence = patched_new_sequence
-    runtime.LearnedScorer.score = patched_score
+    numbers = lambda ids: set(re.findall(r"\d{6}", tok.decode(ids)))  # noqa: E731
+    protect_needles(tok, numbers if a.oracle_numbers else (lambda ids: answers), a.oracle)
 
 def run(config, label):
     r = ev.evaluate(engine, tasks, config, 32, "contains")

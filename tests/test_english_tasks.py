@@ -71,6 +71,23 @@ def test_scorer_training_texts_are_generic_english_outside_the_benchmark():
         assert "pass key" not in record["context"] and "special magic number" not in record["context"]
 
 
+def test_value_questions_ask_for_every_sentence_that_states_a_value():
+    import random
+
+    from kvpop_train.scorer.english_texts import recall_questions
+
+    context = ("The default port number is 8021 for this service. Connections are opened lazily by the client. "
+               "The encoding defaults to 'latin-1' unless another one is configured. Nothing else is remembered "
+               "between two separate calls of the function.")
+    asked = recall_questions(context, random.Random(0), count=3, about="values")
+    assert len(asked) == 3 and any("8021" in q for q in asked) and any("'latin-1'" in q for q in asked)
+    only = recall_questions(context, random.Random(0), count=2, about="value-only")
+    assert sorted(q.rsplit("Answer: ", 1)[1] for q in only) == ["'latin-1'", "8021"]
+    assert all("Which value does the text above give" in q for q in only)
+    with pytest.raises(ValueError):
+        recall_questions(context, random.Random(0), count=2, about="numbers")
+
+
 def test_sweeps_of_the_same_tasks_merge_into_one_table(tmp_path):
     import json
 

@@ -10,7 +10,13 @@ the English benchmark (benchmarks/english_tasks.py), and none of the benchmark's
 
 Each context is continued by generic recall questions about sentences spread over it ("Which sentence
 above mentions X?" answered by quoting it), so a token's future attention reflects content that is
-read back later, not the position of a question known in advance. Records are
+read back later, not the position of a question known in advance. Which sentences are asked about
+(`--questions-about`): `random` ones; or `values` first, every sentence that states a value (a number
+of two or more digits or a quoted literal, as the docstrings themselves write them), then random ones;
+or `value-only`, the same sentences asked for their value alone ("Which value does the text above give
+where it mentions X?" answered by the value), the rest quoted. Random questions make every sentence
+equally likely to be read back, so the targets carry no signal about content; a reader is asked later
+for the specific things a text states, and the value questions say so. Records are
 {"context", "continuations"}, the format `python -m kvpop_train.scorer.train --texts` reads.
 """
 
@@ -51,20 +57,41 @@ def stdlib_docstrings() -> dict[str, list[str]]:
     return modules
 
 
-def recall_questions(context: str, rng: random.Random, count: int) -> list[str]:
+# A sentence that states a value: a number of two or more digits, or a quoted literal ('utf-8', "GET").
+VALUE = re.compile(r"\b\d{2,}\b|'[^'\s]{2,30}'|\"[^\"\s]{2,30}\"")
+ABOUT = ("random", "values", "value-only")
+
+
+def recall_questions(context: str, rng: random.Random, count: int, about: str = "random") -> list[str]:
+    """Recall questions about `count` sentences of `context`, each answered by quoting the sentence.
+
+    about="random": any sentences. about="values": first every sentence that states a value (VALUE),
+    then random ones up to `count`: what a reader is asked to recall later is mostly the specific,
+    the numbers and names, rarely the connecting prose, so the targets should say so."""
     sentences = [s for s in re.split(r"(?<=[.!?])\s+", context) if 6 <= len(s.split()) <= 40]
-    picked = sorted(rng.sample(range(len(sentences)), min(count, len(sentences))))
+    if about not in ABOUT:
+        raise ValueError(f"about must be one of {ABOUT}, not {about!r}")
+    valued = [i for i, sentence in enumerate(sentences) if about != "random" and VALUE.search(sentence)]
+    rest = [i for i in range(len(sentences)) if i not in valued]
+    picked = sorted(valued + rng.sample(rest, max(0, min(count - len(valued), len(rest)))))
     questions = []
     for index in picked:
         words = [w.strip(".,;:()'\"") for w in sentences[index].split()]
         words = [w for w in words if len(w) >= 6 and w.isalpha()]
-        if words:
+        values = VALUE.findall(sentences[index]) if about == "value-only" else []
+        if words and values:
+            questions.append(f"\n\nQuestion: Which value does the text above give where it mentions \"{rng.choice(words)}\"?"
+                             f"\nAnswer: {' '.join(values)}")
+        elif words:
             questions.append(f"\n\nQuestion: Which sentence above mentions \"{rng.choice(words)}\"?\nAnswer: {sentences[index]}")
     return questions
 
 
-def english_texts(num: int, max_chars: int = 12000, questions: int = 8, seed: int = 0) -> list[dict]:
-    """`num` contexts of up to `max_chars` characters (~3k tokens), each with recall continuations."""
+def english_texts(
+    num: int, max_chars: int = 12000, questions: int = 8, seed: int = 0, about: str = "random", min_values: int = 0
+) -> list[dict]:
+    """`num` contexts of up to `max_chars` characters (~3k tokens), each with recall continuations
+    (`about`: see recall_questions); contexts with fewer than `min_values` value sentences are skipped."""
     rng = random.Random(seed)
     modules = stdlib_docstrings()
     names = sorted(modules)
@@ -76,7 +103,9 @@ def english_texts(num: int, max_chars: int = 12000, questions: int = 8, seed: in
             if len(context) + len(text) > max_chars:
                 break
             context += ("\n\n" if context else "") + text
-        continuations = recall_questions(context, rng, questions)
+        if sum(1 for sentence in re.split(r"(?<=[.!?])\s+", context) if VALUE.search(sentence)) < min_values:
+            continue
+        continuations = recall_questions(context, rng, questions, about)
         if len(context) >= 2000 and continuations:
             records.append({"source": f"stdlib:{name}", "context": context, "continuations": continuations})
         if len(records) == num:
@@ -90,8 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num", type=int, default=192)
     parser.add_argument("--max-chars", type=int, default=12000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--questions-about", choices=ABOUT, default="random",
+                        help="which sentences the recall questions ask for (values: every one stating a number or literal first)")
+    parser.add_argument("--min-values", type=int, default=0, help="skip contexts with fewer value sentences")
     args = parser.parse_args(argv)
-    records = english_texts(args.num, args.max_chars, seed=args.seed)
+    records = english_texts(args.num, args.max_chars, seed=args.seed, about=args.questions_about, min_values=args.min_values)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("".join(json.dumps(record) + "\n" for record in records))
     print(f"wrote {len(records)} contexts ({sum(len(r['context']) for r in records)} characters) to {args.out}")

@@ -125,19 +125,24 @@ IS_REAL_MODEL = $(filter-out $(REFERENCE) $(REFERENCE)/,$(MODEL))
 
 # A real model's directory is git-ignored (built at setup), so its scorers go to scorers/<model name>/,
 # committed, where `make export` finds them (export.pipeline.scorer_dir_for).
-# What the shipped SmolLM2 scorers were trained with (docs/quality/real/SCORER.md): 16 texts of ~1k
-# tokens, 6 minutes per kind: what fitted a session on a 2-core machine shared with other jobs.
-SCORER_MINUTES ?= 6
-SCORER_NUM_TEXTS ?= 16
-SCORER_MAX_TOKENS ?= 1024
-SCORER_MAX_CHARS ?= 4000# context characters (~1k tokens), so the recall questions are about text the trace keeps
+# What the shipped SmolLM2 scorers were trained with (docs/quality/real/SCORER.md, session 14): 128
+# docstring contexts of up to 8,000 characters (~2k tokens), each with at least 3 sentences stating a
+# value, asked for every value (value-only) and quoted otherwise; 10 minutes per kind (~31 min in all
+# on a quiet 2-core machine: traces 12 min).
+SCORER_MINUTES ?= 10
+SCORER_NUM_TEXTS ?= 128
+SCORER_MAX_TOKENS ?= 2048
+SCORER_MAX_CHARS ?= 8000# context characters (~2k tokens), so the recall questions are about text the trace keeps
+SCORER_QUESTIONS ?= value-only# random | values | value-only (kvpop_train/scorer/english_texts.py)
+SCORER_MIN_VALUES ?= 3
 
 train-scorer: setup  ## train the KVpop scorers (mLSTM + MLP) for MODEL (default: reference -> MODEL/scorer; a real model -> scorers/<name>/)
-	$(if $(IS_REAL_MODEL),$(PY) -m kvpop_train.scorer.english_texts --max-chars $(SCORER_MAX_CHARS) --out $(SCORER_TEXTS))
+	$(if $(IS_REAL_MODEL),$(PY) -m kvpop_train.scorer.english_texts --max-chars $(SCORER_MAX_CHARS) \
+		--questions-about $(SCORER_QUESTIONS) --min-values $(SCORER_MIN_VALUES) --num 400 --out $(SCORER_TEXTS))
 	$(PY) -m kvpop_train.scorer.train --model $(or $(MODEL),$(REFERENCE)) $(if $(IS_REAL_MODEL),--texts $(SCORER_TEXTS) \
 		--out scorers/$(notdir $(MODEL:/=)) --minutes-per-kind $(SCORER_MINUTES) --num-texts $(SCORER_NUM_TEXTS) \
 		--max-tokens $(SCORER_MAX_TOKENS) --window $(REAL_KV_WINDOW) \
-		--traces build/scorer-texts/traces-$(notdir $(MODEL:/=))-$(SCORER_NUM_TEXTS)x$(SCORER_MAX_TOKENS).pt --threads $(THREADS),--window $(KV_WINDOW))
+		--traces build/scorer-texts/traces-$(notdir $(MODEL:/=))-$(SCORER_QUESTIONS)-$(SCORER_NUM_TEXTS)x$(SCORER_MAX_TOKENS).pt --threads $(THREADS),--window $(KV_WINDOW))
 
 # English long-context benchmark (benchmarks/english_tasks.py) on the exported model (`make export`):
 # every policy x compression per context length, contains-scoring, into docs/quality/real/<tokens>/.

@@ -64,11 +64,15 @@ def test_scorer_training_texts_are_generic_english_outside_the_benchmark():
 
     records = english_texts(4)
     assert len(records) == 4 and not any("pydoc_data" in record["source"] for record in records)
+    assert all("Question: Which sentence above mentions" in c for record in records for c in record["continuations"])
+    shipped = english_texts(4, max_chars=8000, about="value-only", min_values=3)  # the shipped scorers' recipe
+    assert any("Which value does the text above give" in c for record in shipped for c in record["continuations"])
     haystack = {paragraph for split in haystack_paragraphs().values() for paragraph in split}
-    for record in records:
-        assert record["continuations"] and all("Question: Which sentence above mentions" in c for c in record["continuations"])
+    for record in records + shipped:
+        assert record["continuations"] and "pydoc_data" not in record["source"]
         assert not any(paragraph in record["context"] for paragraph in haystack)
-        assert "pass key" not in record["context"] and "special magic number" not in record["context"]
+        text = " ".join([record["context"], *record["continuations"]])
+        assert "pass key" not in text and "special magic number" not in text
 
 
 def test_value_questions_ask_for_every_sentence_that_states_a_value():

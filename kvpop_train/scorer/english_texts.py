@@ -62,15 +62,20 @@ VALUE = re.compile(r"\b\d{2,}\b|'[^'\s]{2,30}'|\"[^\"\s]{2,30}\"")
 ABOUT = ("random", "values", "value-only")
 
 
-def recall_questions(context: str, rng: random.Random, count: int, about: str = "random") -> list[str]:
-    """Recall questions about `count` sentences of `context`, each answered by quoting the sentence.
+def split_sentences(text: str) -> list[str]:
+    return re.split(r"(?<=[.!?])\s+", text)
 
-    about="random": any sentences. about="values": first every sentence that states a value (VALUE),
-    then random ones up to `count`: what a reader is asked to recall later is mostly the specific,
-    the numbers and names, rarely the connecting prose, so the targets should say so."""
-    sentences = [s for s in re.split(r"(?<=[.!?])\s+", context) if 6 <= len(s.split()) <= 40]
+
+def recall_questions(context: str, rng: random.Random, count: int, about: str = "random") -> list[str]:
+    """Recall questions about `count` sentences of `context`, each answered by quoting the sentence
+    (with about="value-only", a sentence that states a value is answered by its value(s) alone).
+
+    about="random": any sentences. about="values" / "value-only": first every sentence that states a
+    value (VALUE), then random ones up to `count`: what a reader is asked to recall later is mostly the
+    specific, the numbers and names, rarely the connecting prose, so the targets should say so."""
     if about not in ABOUT:
         raise ValueError(f"about must be one of {ABOUT}, not {about!r}")
+    sentences = [s for s in split_sentences(context) if 6 <= len(s.split()) <= 40]
     valued = [i for i, sentence in enumerate(sentences) if about != "random" and VALUE.search(sentence)]
     rest = [i for i in range(len(sentences)) if i not in valued]
     picked = sorted(valued + rng.sample(rest, max(0, min(count - len(valued), len(rest)))))
@@ -103,7 +108,7 @@ def english_texts(
             if len(context) + len(text) > max_chars:
                 break
             context += ("\n\n" if context else "") + text
-        if sum(1 for sentence in re.split(r"(?<=[.!?])\s+", context) if VALUE.search(sentence)) < min_values:
+        if sum(1 for sentence in split_sentences(context) if VALUE.search(sentence)) < min_values:
             continue
         continuations = recall_questions(context, rng, questions, about)
         if len(context) >= 2000 and continuations:

@@ -31,6 +31,18 @@ from kvpop.scorer import runtime  # noqa: E402
 original_score, original_batch = runtime.LearnedScorer.score, runtime.LearnedScorer.score_decode_batch
 
 
+def needle_span(tokenizer, ids: list[int], target: str, tokens_before: int) -> set[int]:
+    """Positions in `ids` of every occurrence of `target` (tokenized alone and after a space) and the
+    `tokens_before` tokens before each."""
+    span: set[int] = set()
+    for text in (target, " " + target):
+        needle = tokenizer(text, add_special_tokens=False)["input_ids"]
+        for start in range(len(ids) - len(needle) + 1):
+            if ids[start : start + len(needle)] == needle:
+                span.update(range(max(0, start - tokens_before), start + len(needle)))
+    return span
+
+
 def protect_needles(tokenizer, targets_for: Callable[[list[int]], Iterable[str]], tokens_before: int) -> None:
     """Patch the engine so that, in every sequence, each occurrence of a target string (tokenized alone and
     after a space) and the `tokens_before` tokens before it get an infinite learned score (never evicted).
@@ -40,14 +52,8 @@ def protect_needles(tokenizer, targets_for: Callable[[list[int]], Iterable[str]]
 
     def patched_new_sequence(self, request):
         sequence = new_sequence(self, request)
-        ids, span = request.prompt_ids, set()
-        for target in targets_for(ids):
-            for text in (target, " " + target):
-                needle = tokenizer(text, add_special_tokens=False)["input_ids"]
-                for start in range(len(ids) - len(needle) + 1):
-                    if ids[start : start + len(needle)] == needle:
-                        span.update(range(max(0, start - tokens_before), start + len(needle)))
-        protected[id(sequence.cache)] = span
+        ids = request.prompt_ids
+        protected[id(sequence.cache)] = set().union(*(needle_span(tokenizer, ids, t, tokens_before) for t in targets_for(ids)))
         return sequence
 
     def patched_score(self, cache, state, leaving):  # (L, Hkv, M): prompt tokens leave here, not in decode

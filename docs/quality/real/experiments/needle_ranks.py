@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from kvpop.eval import encode
 from kvpop_train.scorer.traces import collect_traces
 from kvpop_train.scorer.network import load_scorer
+from needle_oracle import needle_span  # the oracle's needle: the answer and the tokens before it
 
 model_dir = "models/smollm2-135m-instruct"
 scorer_paths = sys.argv[1].split(",")
@@ -32,14 +33,8 @@ for t in tasks:
     trace = collect_traces(model, tok, [tok.decode(ids[1:]) if ids[0] == tok.bos_token_id else text], window=w, max_tokens=4096, progress=False)[0]
     S = trace.length
     # needle span: answer digits + 12 tokens before, every occurrence
-    ans = str(t["answer"]); span = set()
-    for s in (ans, " " + ans):
-        needle = tok(s, add_special_tokens=False)["input_ids"]
-        tid = tok(text, add_special_tokens=False)["input_ids"]
-        for i in range(len(tid) - len(needle) + 1):
-            if tid[i:i+len(needle)] == needle:
-                span.update(range(max(0, i-12), i+len(needle)))
-    digits = sorted(span)
+    tid = tok(text, add_special_tokens=False)["input_ids"]
+    digits = sorted(needle_span(tok, tid, str(t["answer"]), 12))
     for p, sc in scorers.items():
         with torch.no_grad():
             score = sc.score_sequence(trace.key.float(), trace.value.float())  # (L,H,S-w)

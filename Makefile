@@ -128,20 +128,22 @@ IS_REAL_MODEL = $(filter-out $(REFERENCE) $(REFERENCE)/,$(MODEL))
 # What the shipped SmolLM2 scorers were trained with (docs/quality/real/SCORER.md, session 14): 128
 # docstring contexts of up to 8,000 characters (~2k tokens), each with at least 3 sentences stating a
 # value, asked for every value (value-only) and quoted otherwise; 10 minutes per kind (~31 min in all
-# on a quiet 2-core machine: traces 12 min).
+# on a quiet 2-core machine: traces 12 min). Since session 15 on one model-wide target (max over every
+# layer and KV head): every cache learns what any head reads later, and serving shares the ranking.
 SCORER_MINUTES ?= 10
 SCORER_NUM_TEXTS ?= 128
 SCORER_MAX_TOKENS ?= 2048
 SCORER_MAX_CHARS ?= 8000# context characters (~2k tokens), so the recall questions are about text the trace keeps
 SCORER_QUESTIONS ?= value-only# random | values | value-only (kvpop_train/scorer/english_texts.py)
 SCORER_MIN_VALUES ?= 3
+SCORER_TARGET_SCOPE ?= model# head | layer | model: one model-wide ranking (kvpop_train/scorer/targets.py shape_target)
 
 train-scorer: setup  ## train the KVpop scorers (mLSTM + MLP) for MODEL (default: reference -> MODEL/scorer; a real model -> scorers/<name>/)
 	$(if $(IS_REAL_MODEL),$(PY) -m kvpop_train.scorer.english_texts --max-chars $(SCORER_MAX_CHARS) \
 		--questions-about $(SCORER_QUESTIONS) --min-values $(SCORER_MIN_VALUES) --num 400 --out $(SCORER_TEXTS))
 	$(PY) -m kvpop_train.scorer.train --model $(or $(MODEL),$(REFERENCE)) $(if $(IS_REAL_MODEL),--texts $(SCORER_TEXTS) \
 		--out scorers/$(notdir $(MODEL:/=)) --minutes-per-kind $(SCORER_MINUTES) --num-texts $(SCORER_NUM_TEXTS) \
-		--max-tokens $(SCORER_MAX_TOKENS) --window $(REAL_KV_WINDOW) \
+		--max-tokens $(SCORER_MAX_TOKENS) --window $(REAL_KV_WINDOW) --target-scope $(SCORER_TARGET_SCOPE) \
 		--traces build/scorer-texts/traces-$(notdir $(MODEL:/=))-$(SCORER_QUESTIONS)-$(SCORER_NUM_TEXTS)x$(SCORER_MAX_TOKENS).pt --threads $(THREADS),--window $(KV_WINDOW))
 
 # English long-context benchmark (benchmarks/english_tasks.py) on the exported model (`make export`):

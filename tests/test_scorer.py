@@ -56,6 +56,24 @@ def test_targets_of_a_too_short_trace_are_empty():
 # -- traces: what the scorer sees is what the slot cache holds --------------------------------
 
 
+def test_shaped_targets_span_forward_and_share_across_heads():
+    from kvpop_train.scorer.targets import LOG_FLOOR, shape_target
+
+    target = torch.full((2, 3, 8), -5.0)  # (L, Hkv, N)
+    target[0, 1, 5] = 2.0  # one head reads token 5 later
+    spanned = shape_target(target, span=3)
+    assert spanned[0, 1].tolist() == [-5.0, -5.0, 2.0, 2.0, 2.0, 2.0, -5.0, -5.0]  # tokens 2-5 lead up to it
+    assert torch.equal(spanned[1], target[1])  # other heads untouched
+    assert shape_target(target, span=3)[0, 1, -1] > LOG_FLOOR  # the padding never wins
+    layer = shape_target(target, scope="layer")
+    assert (layer[0, :, 5] == 2.0).all() and torch.equal(layer[1], target[1])
+    model = shape_target(target, scope="model")
+    assert (model[:, :, 5] == 2.0).all() and (model[:, :, 4] == -5.0).all()
+    assert torch.equal(shape_target(target), target)
+    with pytest.raises(ValueError, match="scope"):
+        shape_target(target, scope="group")
+
+
 def test_traces_record_cached_keys_and_model_attention(tiny_hf_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -303,6 +321,46 @@ def test_runtime_state_roundtrip(exported, kind):
         torch_scores, _ = scorers[kind](*(torch.from_numpy(x) for x in (key, value, leaving_key, leaving_value)),
                                         scorers[kind].initial_state())
     np.testing.assert_allclose(at_once, torch_scores.numpy(), atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["mlstm", "mlp"])
+def test_shared_ranking_scores_a_token_alike_in_every_cache(exported, kind, tmp_path):
+    """A scorer trained on the model-wide target (shared_ranking) gives each token the mean of its
+    L * Hkv scores, and through the kvpop policy every head's cache then keeps the same tokens."""
+    import dataclasses
+
+    from kvpop.cache import SlotCache
+    from kvpop.model_spec import ModelSpec
+    from kvpop.policies.kvpop import KVpopPolicy
+    from kvpop.scorer.runtime import LearnedScorer, ScorerRuntime
+    from kvpop_train.scorer.onnx_export import export_scorer
+
+    directory, scorers, _ = exported
+    shared = Scorer(dataclasses.replace(CONFIGS[kind], shared_ranking=True)).eval()
+    shared.load_state_dict(scorers[kind].state_dict())
+    assert export_scorer(shared, tmp_path).passed
+    plain, ranked = ScorerRuntime(directory, kind), ScorerRuntime(tmp_path, kind)
+    assert ranked.spec.shared_ranking and not plain.spec.shared_ranking
+    tokens = [x.numpy() for x in (*random_sequence(12, seed=1), *random_sequence(12, seed=2))]
+    want, _ = plain.step(plain.initial_state().recurrent, *tokens)  # (L, Hkv, T)
+    got, _ = ranked.step(ranked.initial_state().recurrent, *tokens)
+    np.testing.assert_allclose(got, np.broadcast_to(want.mean(axis=(0, 1)), got.shape), atol=1e-5)
+
+    spec = ModelSpec("LlamaForCausalLM", num_layers=2, num_attention_heads=4, num_kv_heads=2, head_dim=8,
+                     vocab_size=16, dtype="float32", max_position_embeddings=4096)
+    positions = {}
+    for name, scorer_dir in (("plain", directory), ("shared", tmp_path)):
+        scorer = LearnedScorer.load(scorer_dir, kind)
+        cache = SlotCache(spec, KVpopPolicy(sinks=1, window=scorer.window, scorer=scorer), budget=12)
+        key, value = random_sequence(60, seed=4)
+        for begin, end in [(0, 20), *((t, t + 1) for t in range(20, 60))]:  # a prefill chunk, then decode steps
+            tokens_in = end - begin
+            cache.append(key[:, :, begin:end].numpy(), value[:, :, begin:end].numpy(),
+                         np.zeros((2, 4, tokens_in, cache.capacity), np.float32),
+                         np.zeros((2, 4, tokens_in, tokens_in), np.float32))
+        positions[name] = np.sort(cache.position, axis=2).reshape(4, -1)  # (L * Hkv, slots)
+    assert (positions["shared"] == positions["shared"][0]).all()  # one set of tokens in every cache
+    assert not (positions["plain"] == positions["plain"][0]).all()  # (per-head rankings differ)
 
 
 def test_runtime_decode_graph_matches_one_sequence_steps(exported):

@@ -37,6 +37,7 @@ class ScorerSpec:
     state_shapes: dict[str, tuple[int, ...]]
     onnx_file: str
     decode_onnx_file: str | None = None  # B sequences' one-token steps in one call (stateful kinds)
+    shared_ranking: bool = False  # one model-wide ranking: a token's score is the mean over all L * Hkv caches
 
     @classmethod
     def load(cls, path: Path) -> "ScorerSpec":
@@ -49,6 +50,7 @@ class ScorerSpec:
             inputs=tuple(data["inputs"]), outputs=tuple(data["outputs"]),
             state_shapes={name: tuple(shape) for name, shape in data["state_shapes"].items()},
             onnx_file=data["onnx_file"], decode_onnx_file=data.get("decode_onnx_file"),
+            shared_ranking=config.get("shared_ranking", False),
         )
 
 
@@ -126,7 +128,7 @@ class ScorerRuntime:
             scores.append(score)
         if not scores:
             return np.zeros((*new_key.shape[:2], 0), np.float32), recurrent
-        return np.concatenate(scores, axis=2), recurrent
+        return self._ranked(np.concatenate(scores, axis=2)), recurrent
 
 
     def step_decode_batch(
@@ -147,7 +149,15 @@ class ScorerRuntime:
         score, *new_state = self.decode_session.run(None, feed)  # (L, Hkv, B), (L, Hkv, B, ...) each
         states = [{name: state[:, :, row] for name, state in zip(names, new_state)} for row in range(len(recurrents))]
         self._last_decode = (states, new_state)
-        return score.transpose(2, 0, 1), states
+        return self._ranked(score).transpose(2, 0, 1), states
+
+    def _ranked(self, scores: np.ndarray) -> np.ndarray:
+        """(L, Hkv, T) scores as the policy ranks them. Every call pairs row t with one leaving token for
+        all heads (the one leaving when token t arrives), so with a shared ranking the mean over the caches
+        is that token's score everywhere: every head then evicts the same tokens, slot for slot."""
+        if not self.spec.shared_ranking:
+            return scores
+        return np.broadcast_to(scores.mean(axis=(0, 1), keepdims=True, dtype=np.float32), scores.shape).copy()
 
     def _stacked_states(self, recurrents: list[dict[str, np.ndarray]]) -> list[np.ndarray]:
         """The B states side by side, (L, Hkv, B, ...) per name: the last decode call's outputs when

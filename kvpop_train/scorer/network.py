@@ -51,6 +51,9 @@ class ScorerConfig:
     input_gate_cap: float = 15.0  # soft cap on the exponential input gate's log, for fp32 safety
     forget_bias: float = 3.0  # initial forget-gate bias: sigmoid(3) = 0.95, a memory of ~20 tokens
     attention_feature: bool = False  # also score from the leaving token's (log, relative) in-window attention
+    # Trained on one model-wide target (train --target-scope model): every head's network estimates the same
+    # importance, so serving averages a token's L * Hkv scores and every cache keeps the same tokens.
+    shared_ranking: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

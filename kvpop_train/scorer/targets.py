@@ -27,6 +27,32 @@ def future_importance(mean: torch.Tensor) -> torch.Tensor:
     return torch.log(mean.amax(dim=-2)).clamp_min(LOG_FLOOR)
 
 
+TARGET_SCOPES = ("head", "layer", "model")
+
+
+def shape_target(target: torch.Tensor, span: int = 0, scope: str = "head") -> torch.Tensor:
+    """Training-time variants of the target, for (L, Hkv, N) log importances.
+
+    span: a token is worth at least what the next `span` tokens are worth (forward max), so the words that
+    lead up to a needed token (a key's name before its value) are kept with it. The scorer can learn this:
+    a token is scored when it leaves the window, after it has seen the w tokens that follow it.
+    scope: share the target across the KV heads of a layer ("layer") or all caches ("model") by max, so
+    every head learns to keep what any head reads later, not only what it reads itself.
+    """
+    if scope not in TARGET_SCOPES:
+        raise ValueError(f"unknown target scope {scope!r}; expected one of {TARGET_SCOPES}")
+    shaped = target
+    if span > 0:
+        # forward max over [t, t + span]: pad the end with the floor, then a sliding max  (L, Hkv, N)
+        padded = torch.nn.functional.pad(shaped, (0, span), value=LOG_FLOOR)
+        shaped = padded.unfold(-1, span + 1, 1).amax(dim=-1)
+    if scope == "layer":
+        shaped = shaped.amax(dim=1, keepdim=True).expand_as(shaped)
+    elif scope == "model":
+        shaped = shaped.amax(dim=(0, 1), keepdim=True).expand_as(shaped)
+    return shaped.contiguous()
+
+
 @dataclass
 class AttentionReceived:
     """What each token that leaves the window within a trace received, per KV head (log space)."""

@@ -28,6 +28,7 @@ from torch.nn import functional
 from tqdm import tqdm
 
 from kvpop_train.scorer.network import KINDS, Scorer, ScorerConfig, save_scorer
+from kvpop_train.scorer.targets import TARGET_SCOPES, shape_target
 from kvpop_train.scorer.traces import Trace, collect_traces, load_traces, read_texts, save_traces, task_texts
 
 CHECKPOINT_NAME = "scorer_{kind}.pt"
@@ -48,6 +49,8 @@ class TrainConfig:
     weight_decay: float = 1e-4
     regression_weight: float = 0.5  # measured: 0.05 and 2.0 kept fewer needed tokens at 88-94% (docs/quality)
     margin_cap: float = 2.0  # pair weight = min(|target difference|, cap)
+    target_span: int = 0  # see targets.shape_target: 0 = each token's own importance
+    target_scope: str = "head"  # see targets.shape_target: head | layer | model
     chunk_size: int = 64
     validation_fraction: float = 0.1
     seed: int = 0
@@ -101,14 +104,18 @@ def pairwise_loss(score: torch.Tensor, target: torch.Tensor, boundaries: Boundar
 
 @dataclass
 class TrainingSet:
-    """Traces with their eviction boundaries (computed once, shared by every scorer variant)."""
+    """Traces with the targets trained on (shaped by the config) and their eviction boundaries (computed
+    once, shared by every scorer variant)."""
 
     traces: list[Trace]
+    targets: list[torch.Tensor]  # (L, Hkv, S - w) each
     boundaries: list[Boundaries]
 
     @classmethod
     def build(cls, traces: list[Trace], config: TrainConfig) -> "TrainingSet":
-        return cls(traces, [eviction_boundaries(t.target, config.sinks, config.long_range_slots) for t in traces])
+        targets = [shape_target(t.target, config.target_span, config.target_scope) for t in traces]
+        boundaries = [eviction_boundaries(target, config.sinks, config.long_range_slots) for target in targets]
+        return cls(traces, targets, boundaries)
 
 
 def _inputs(trace: Trace) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -120,12 +127,12 @@ def evaluate(scorer: Scorer | None, data: TrainingSet, config: TrainConfig) -> f
     """Boundary ranking accuracy: the fraction of (leaving, weakest kept) pairs ordered like the target.
     `scorer=None` ranks by the in-window attention alone instead (the attention-based baseline)."""
     correct = counted = 0
-    for trace, boundary in zip(data.traces, data.boundaries):
+    for trace, target, boundary in zip(data.traces, data.targets, data.boundaries):
         if scorer is None:
             score = trace.window_attention
         else:
             score = scorer.eval().score_sequence(*_inputs(trace), chunk_size=config.chunk_size)
-        _, right, total = pairwise_loss(score, trace.target, boundary, config)
+        _, right, total = pairwise_loss(score, target, boundary, config)
         correct, counted = correct + right, counted + total
     return correct / max(counted, 1)
 
@@ -142,6 +149,7 @@ def train_scorer(
         ScorerConfig(
             kind=kind, num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, window=config.window,
             memory_dim=config.memory_dim, hidden_dim=config.hidden_dim, attention_feature=config.attention_feature,
+            shared_ranking=config.target_scope == "model",
         )
     )
     sample = rng.sample(traces, min(len(traces), 16))
@@ -162,7 +170,7 @@ def train_scorer(
         pick = rng.randrange(len(traces))
         trace = traces[pick]
         score = scorer.score_sequence(*_inputs(trace), chunk_size=config.chunk_size)
-        loss, correct, counted = pairwise_loss(score, trace.target, training.boundaries[pick], config)
+        loss, correct, counted = pairwise_loss(score, training.targets[pick], training.boundaries[pick], config)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(scorer.parameters(), 1.0)
@@ -201,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-dim", type=int, default=TrainConfig.memory_dim)
     parser.add_argument("--regression-weight", type=float, default=TrainConfig.regression_weight)
     parser.add_argument("--attention-feature", action="store_true", help="also score from in-window attention")
+    parser.add_argument("--target-span", type=int, default=TrainConfig.target_span,
+                        help="train on the forward max of the target over this many next tokens")
+    parser.add_argument("--target-scope", choices=TARGET_SCOPES, default=TrainConfig.target_scope,
+                        help="share the target across a layer's KV heads or all caches (max)")
     parser.add_argument("--minutes-per-kind", type=float, default=TrainConfig.minutes_per_kind)
     parser.add_argument("--steps", type=int, default=TrainConfig.steps)
     parser.add_argument("--threads", type=int, default=1)
@@ -214,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     config = TrainConfig(
         window=args.window, attention_feature=args.attention_feature, minutes_per_kind=args.minutes_per_kind,
         steps=args.steps, seed=args.seed, hidden_dim=args.hidden_dim, memory_dim=args.memory_dim,
-        regression_weight=args.regression_weight,
+        regression_weight=args.regression_weight, target_span=args.target_span, target_scope=args.target_scope,
     )
     out = args.out or args.model / "scorer"
     out.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,9 @@ policy (nothing here ships):
     the answer's token ids in the prompt) gets an infinite score, so it is never evicted; everything
     else is ranked by the learned scorer as usual. An upper bound for a scorer that recognised needles.
   * `share-layer` / `share-model`: the learned scores averaged over a layer's KV heads (or all heads),
-    so those heads keep the same tokens; `share-none` runs the scorer unpatched.
+    so those heads keep the same tokens; `share-none` runs the scorer unpatched. Since session 15,
+    `share-model` is what serving does for a scorer exported with `"shared_ranking": true`
+    (kvpop.scorer.runtime.ScorerRuntime._ranked), so on the shipped scorers it changes nothing.
 """
 
 from __future__ import annotations

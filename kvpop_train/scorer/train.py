@@ -114,8 +114,16 @@ class TrainingSet:
     @classmethod
     def build(cls, traces: list[Trace], config: TrainConfig) -> "TrainingSet":
         targets = [shape_target(t.target, config.target_span, config.target_scope) for t in traces]
-        boundaries = [eviction_boundaries(target, config.sinks, config.long_range_slots) for target in targets]
-        return cls(traces, targets, boundaries)
+        return cls(traces, targets, [_boundaries(target, config) for target in targets])
+
+
+def _boundaries(target: torch.Tensor, config: TrainConfig) -> Boundaries:
+    """With a model-wide target every cache has the same boundaries: computed once, not L * Hkv times."""
+    if config.target_scope != "model":
+        return eviction_boundaries(target, config.sinks, config.long_range_slots)
+    layers, kv_heads, _ = target.shape
+    one = eviction_boundaries(target[:1, :1], config.sinks, config.long_range_slots).index  # (1, 1, K, S - w)
+    return Boundaries(one.expand(layers, kv_heads, -1, -1))
 
 
 def _inputs(trace: Trace) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

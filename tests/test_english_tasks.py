@@ -75,6 +75,31 @@ def test_scorer_training_texts_are_generic_english_outside_the_benchmark():
         assert "pass key" not in text and "special magic number" not in text
 
 
+def test_more_training_texts_come_from_later_docstrings_and_installed_packages(tmp_path, monkeypatch):
+    from kvpop_train.scorer import english_texts as texts
+
+    sentence = "The parser reads {n} records from the stream and returns them as a list of values in order."
+    package = tmp_path / "somepkg"
+    package.mkdir()
+    body = "".join(f'def f{i}():\n    """{sentence.format(n=10 + i)}"""\n\n' for i in range(60))
+    (package / "__init__.py").write_text(f'"""{sentence.format(n=99)}"""\n' + body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    found = texts.package_docstrings(["somepkg"])
+    assert list(found) == ["somepkg.__init__"] and len(found["somepkg.__init__"]) == 61  # module + 60 functions
+    runs = texts._runs(found["somepkg.__init__"], max_chars=2500)
+    assert len(runs) > 1 and all(len(run) <= 2500 for run in runs)
+    assert "\n\n".join(runs).split("\n\n") == found["somepkg.__init__"]  # consecutive, nothing lost
+    with pytest.raises(ValueError, match="not an installed package"):
+        texts.package_docstrings(["os"])  # a module, not a package
+    monkeypatch.setattr(texts, "stdlib_docstrings", lambda: {})  # only the package's texts
+    records = texts.english_texts(10, max_chars=2500, windows=3, packages={"somepkg": 5}, about="value-only", min_values=3)
+    long_enough = [i for i, run in enumerate(runs[:3]) if len(run) >= 2000]  # shorter contexts are skipped
+    assert len(long_enough) >= 2
+    assert sorted(record["source"] for record in records) == ["somepkg.__init__" + (f"#{i}" if i else "") for i in long_enough]
+    assert sorted(record["context"] for record in records) == sorted(runs[i] for i in long_enough)
+    assert len(texts.english_texts(10, max_chars=2500, windows=3, packages={"somepkg": 1}, min_values=3)) == 1  # its quota
+
+
 def test_value_questions_ask_for_every_sentence_that_states_a_value():
     import random
 

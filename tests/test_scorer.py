@@ -74,6 +74,22 @@ def test_shaped_targets_span_forward_and_share_across_heads():
         shape_target(target, scope="group")
 
 
+
+def test_value_weighted_target_discounts_attention_on_small_values():
+    from kvpop_train.scorer.targets import LOG_FLOOR, value_weighted
+
+    target = torch.log(torch.tensor([[[0.4, 0.4, 0.1]]]))  # (L=1, Hkv=1, N=3): tokens 0 and 1 equally attended
+    value = torch.zeros(1, 1, 5, 4)  # (L, Hkv, S=5, D): S > N, the last tokens never leave the window
+    value[0, 0, 0] = 0.01  # token 0 a sink-like value: attended, adds little
+    value[0, 0, 1] = 1.0
+    value[0, 0, 2] = 2.0
+    weighted = value_weighted(target, value)
+    assert weighted.shape == target.shape
+    assert weighted[0, 0, 1] > weighted[0, 0, 0]  # same attention, larger contribution
+    torch.testing.assert_close(weighted[0, 0, 2] - target[0, 0, 2], torch.log(torch.tensor(4.0)))  # |v| = 2 * 2
+    floor = torch.full((1, 1, 1), LOG_FLOOR)
+    assert value_weighted(floor, torch.zeros(1, 1, 1, 4))[0, 0, 0] == LOG_FLOOR  # never below the floor
+
 def test_traces_record_cached_keys_and_model_attention(tiny_hf_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
 import json
 import random
 import re
@@ -36,7 +37,26 @@ EXCLUDED = ("pydoc_data", "test", "idlelib", "lib2to3", "tkinter", "turtledemo",
 
 def stdlib_docstrings() -> dict[str, list[str]]:
     """Module name -> its docstrings, in source order (only modules with enough prose)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+    return source_docstrings(Path(sysconfig.get_paths()["stdlib"]))
+
+
+def package_docstrings(packages: list[str]) -> dict[str, list[str]]:
+    """The same for installed packages (their versions are pinned in requirements*.txt, so the texts are
+    reproducible); module names are prefixed with the package's."""
+    modules: dict[str, list[str]] = {}
+    for package in packages:
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError(f"{package!r} is not an installed package")
+        for location in spec.submodule_search_locations:
+            found = source_docstrings(Path(location))
+            modules.update({f"{package}.{name}": docstrings for name, docstrings in found.items()})
+    return modules
+
+
+def source_docstrings(root: Path) -> dict[str, list[str]]:
+    """Module name (relative to `root`) -> every module, class and function docstring of at least 12
+    words, whitespace collapsed, in source order; modules with under 2,000 characters of it are left out."""
     modules: dict[str, list[str]] = {}
     for path in sorted(root.rglob("*.py")):
         relative = path.relative_to(root)
@@ -44,7 +64,7 @@ def stdlib_docstrings() -> dict[str, list[str]]:
             continue
         try:
             tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, OSError):
+        except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
             continue
         docstrings = []
         for node in ast.walk(tree):
@@ -93,29 +113,72 @@ def recall_questions(context: str, rng: random.Random, count: int, about: str = 
 
 
 def english_texts(
-    num: int, max_chars: int = 12000, questions: int = 8, seed: int = 0, about: str = "random", min_values: int = 0
+    num: int, max_chars: int = 12000, questions: int = 8, seed: int = 0, about: str = "random", min_values: int = 0,
+    windows: int = 1, packages: dict[str, int] | None = None,
 ) -> list[dict]:
     """`num` contexts of up to `max_chars` characters (~3k tokens), each with recall continuations
-    (`about`: see recall_questions); contexts with fewer than `min_values` value sentences are skipped."""
+    (`about`: see recall_questions); contexts with fewer than `min_values` value sentences are skipped.
+
+    A module gives up to `windows` contexts: its docstrings cut into consecutive runs of up to `max_chars`.
+    Every module's first run comes first (so a larger `windows` only appends texts), then every second one.
+    `packages`: installed package -> how many of its contexts follow the standard library's, drawn at random
+    (seeded) from all of its contexts (`package_docstrings`)."""
+    packages = packages or {}
     rng = random.Random(seed)
     modules = stdlib_docstrings()
     names = sorted(modules)
     rng.shuffle(names)
+    extra = package_docstrings(list(packages))
+    drawn_from: dict[str, list[dict]] = {package: [] for package in packages}
+    extra_names = sorted(extra)
+    random.Random(seed + 1).shuffle(extra_names)  # apart from `rng`: the stdlib's texts do not change
+    modules.update(extra)
+    runs = {name: _runs(modules[name], max_chars) for name in modules}
     records = []
-    for name in names:
-        context = ""
-        for text in modules[name]:
-            if len(context) + len(text) > max_chars:
-                break
-            context += ("\n\n" if context else "") + text
-        if sum(1 for sentence in split_sentences(context) if VALUE.search(sentence)) < min_values:
+    for group, window in [(names, w) for w in range(windows)] + [(extra_names, w) for w in range(windows)]:
+        for name in group:
+            if window >= len(runs[name]):
+                continue
+            context = runs[name][window]
+            if sum(1 for sentence in split_sentences(context) if VALUE.search(sentence)) < min_values:
+                continue
+            continuations = recall_questions(context, rng, questions, about)
+            if len(context) >= 2000 and continuations:
+                source = ("" if name in extra else "stdlib:") + name + (f"#{window}" if window else "")
+                record = {"source": source, "context": context, "continuations": continuations}
+                (drawn_from[name.split(".")[0]] if name in extra else records).append(record)
+            if not packages and len(records) == num:
+                return records
+    draw = random.Random(seed)
+    for package, count in packages.items():
+        records += draw.sample(drawn_from[package], min(count, len(drawn_from[package])))
+    return records[:num]
+
+
+def _runs(docstrings: list[str], max_chars: int) -> list[str]:
+    """Docstrings joined into consecutive contexts of up to `max_chars` (one longer docstring is dropped)."""
+    runs, context = [], ""
+    for text in docstrings:
+        if len(context) + len(text) + 2 > max_chars and context:
+            runs.append(context)
+            context = ""
+        if len(text) > max_chars:
             continue
-        continuations = recall_questions(context, rng, questions, about)
-        if len(context) >= 2000 and continuations:
-            records.append({"source": f"stdlib:{name}", "context": context, "continuations": continuations})
-        if len(records) == num:
-            break
-    return records
+        context += ("\n\n" if context else "") + text
+    if context:
+        runs.append(context)
+    return runs
+
+
+def _counts(spec: str) -> dict[str, int]:
+    """"numpy:30,torch:30" -> {"numpy": 30, "torch": 30}."""
+    counts = {}
+    for item in filter(None, spec.split(",")):
+        name, _, count = item.partition(":")
+        if not count.isdigit():
+            raise argparse.ArgumentTypeError(f"--packages wants NAME:COUNT items, got {item!r}")
+        counts[name] = int(count)
+    return counts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,8 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--questions-about", choices=ABOUT, default="random",
                         help="which sentences the recall questions ask for (values: every one stating a number or literal first)")
     parser.add_argument("--min-values", type=int, default=0, help="skip contexts with fewer value sentences")
+    parser.add_argument("--windows", type=int, default=1, help="contexts per module (consecutive runs of its docstrings)")
+    parser.add_argument("--packages", default="",
+                        help="installed packages whose docstrings follow the stdlib's, as NAME:COUNT,... (COUNT contexts each)")
     args = parser.parse_args(argv)
-    records = english_texts(args.num, args.max_chars, seed=args.seed, about=args.questions_about, min_values=args.min_values)
+    records = english_texts(args.num, args.max_chars, seed=args.seed, about=args.questions_about, min_values=args.min_values,
+                            windows=args.windows, packages=_counts(args.packages))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("".join(json.dumps(record) + "\n" for record in records))
     print(f"wrote {len(records)} contexts ({sum(len(r['context']) for r in records)} characters) to {args.out}")

@@ -30,6 +30,17 @@ def future_importance(mean: torch.Tensor) -> torch.Tensor:
 TARGET_SCOPES = ("head", "layer", "model")
 
 
+def value_weighted(target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """The target times the token's value norm, in log space: (L, Hkv, N) + log |v| of (L, Hkv, S, D), N <= S.
+
+    Attention alone overrates tokens that heads use as secondary sinks (" the", " in", newlines): they
+    collect attention but their small values add little to the output (Guo et al. 2024, "Attention Score
+    is not All You Need for Token Importance Indicator in KV Cache Reduction: Value Also Matters").
+    Attention times |v| bounds what a token contributes to its head's output."""
+    norm = value[:, :, : target.shape[-1]].float().norm(dim=-1).clamp_min(1e-6)  # (L, Hkv, N)
+    return (target + norm.log()).clamp_min(LOG_FLOOR)
+
+
 def shape_target(target: torch.Tensor, span: int = 0, scope: str = "head") -> torch.Tensor:
     """Training-time variants of the target, for (L, Hkv, N) log importances.
 

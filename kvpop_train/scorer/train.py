@@ -28,7 +28,7 @@ from torch.nn import functional
 from tqdm import tqdm
 
 from kvpop_train.scorer.network import KINDS, Scorer, ScorerConfig, save_scorer
-from kvpop_train.scorer.targets import TARGET_SCOPES, shape_target
+from kvpop_train.scorer.targets import TARGET_SCOPES, shape_target, value_weighted
 from kvpop_train.scorer.traces import Trace, collect_traces, load_traces, read_texts, save_traces, task_texts
 
 CHECKPOINT_NAME = "scorer_{kind}.pt"
@@ -51,6 +51,7 @@ class TrainConfig:
     margin_cap: float = 2.0  # pair weight = min(|target difference|, cap)
     target_span: int = 0  # see targets.shape_target: 0 = each token's own importance
     target_scope: str = "head"  # see targets.shape_target: head | layer | model
+    target_value_norm: bool = False  # see targets.value_weighted: attention times the token's value norm
     chunk_size: int = 64
     validation_fraction: float = 0.1
     seed: int = 0
@@ -113,7 +114,11 @@ class TrainingSet:
 
     @classmethod
     def build(cls, traces: list[Trace], config: TrainConfig) -> "TrainingSet":
-        targets = [shape_target(t.target, config.target_span, config.target_scope) for t in traces]
+        targets = [
+            shape_target(value_weighted(t.target, t.value) if config.target_value_norm else t.target,
+                         config.target_span, config.target_scope)
+            for t in traces
+        ]
         return cls(traces, targets, [_boundaries(target, config) for target in targets])
 
 
@@ -212,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--traces", type=Path, default=None,
                         help="cache file: load the traces from it when it exists, else collect and save them there "
                              "(targets depend on the model, the texts and --window: use one file per combination)")
+    parser.add_argument("--more-traces", type=Path, nargs="*", default=[],
+                        help="traces saved earlier (by --traces) to train on as well: texts added to a set without "
+                             "collecting the ones it has again")
     parser.add_argument("--window", type=int, default=TrainConfig.window)
     parser.add_argument("--hidden-dim", type=int, default=TrainConfig.hidden_dim)
     parser.add_argument("--memory-dim", type=int, default=TrainConfig.memory_dim)
@@ -221,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="train on the forward max of the target over this many next tokens")
     parser.add_argument("--target-scope", choices=TARGET_SCOPES, default=TrainConfig.target_scope,
                         help="share the target across a layer's KV heads or all caches (max)")
+    parser.add_argument("--target-value-norm", action="store_true",
+                        help="weight the target by each token's value norm (attention x |v|)")
     parser.add_argument("--minutes-per-kind", type=float, default=TrainConfig.minutes_per_kind)
     parser.add_argument("--steps", type=int, default=TrainConfig.steps)
     parser.add_argument("--threads", type=int, default=1)
@@ -235,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         window=args.window, attention_feature=args.attention_feature, minutes_per_kind=args.minutes_per_kind,
         steps=args.steps, seed=args.seed, hidden_dim=args.hidden_dim, memory_dim=args.memory_dim,
         regression_weight=args.regression_weight, target_span=args.target_span, target_scope=args.target_scope,
+        target_value_norm=args.target_value_norm,
     )
     out = args.out or args.model / "scorer"
     out.mkdir(parents=True, exist_ok=True)
@@ -253,6 +264,10 @@ def main(argv: list[str] | None = None) -> int:
         traces = collect_traces(model, tokenizer, texts, window=config.window, max_tokens=args.max_tokens)
         if args.traces:
             save_traces(traces, args.traces)
+    for path in args.more_traces:
+        more = load_traces(path)
+        traces += more
+        print(f"[train-scorer] {len(more)} more traces from {path}", flush=True)
     if len(traces) < 2:
         print(f"[train-scorer] FAILED: need at least 2 texts longer than the window ({config.window})", file=sys.stderr)
         return 1

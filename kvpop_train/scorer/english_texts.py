@@ -129,13 +129,15 @@ def english_texts(
     names = sorted(modules)
     rng.shuffle(names)
     extra = package_docstrings(list(packages))
-    drawn_from: dict[str, list[dict]] = {package: [] for package in packages}
     extra_names = sorted(extra)
     random.Random(seed + 1).shuffle(extra_names)  # apart from `rng`: the stdlib's texts do not change
-    modules.update(extra)
-    runs = {name: _runs(modules[name], max_chars) for name in modules}
+    stdlib_runs = {name: _runs(modules[name], max_chars) for name in names}
+    package_runs = {name: _runs(extra[name], max_chars) for name in extra_names}
+    drawn_from: dict[str, list[dict]] = {package: [] for package in packages}  # package -> its contexts
     records = []
-    for group, window in [(names, w) for w in range(windows)] + [(extra_names, w) for w in range(windows)]:
+    passes = [(stdlib_runs, names, w) for w in range(windows)] + [(package_runs, extra_names, w) for w in range(windows)]
+    for runs, group, window in passes:
+        from_package = runs is package_runs
         for name in group:
             if window >= len(runs[name]):
                 continue
@@ -144,9 +146,9 @@ def english_texts(
                 continue
             continuations = recall_questions(context, rng, questions, about)
             if len(context) >= 2000 and continuations:
-                source = ("" if name in extra else "stdlib:") + name + (f"#{window}" if window else "")
+                source = ("" if from_package else "stdlib:") + name + (f"#{window}" if window else "")
                 record = {"source": source, "context": context, "continuations": continuations}
-                (drawn_from[name.split(".")[0]] if name in extra else records).append(record)
+                (drawn_from[name.partition(".")[0]] if from_package else records).append(record)
             if not packages and len(records) == num:
                 return records
     draw = random.Random(seed)
@@ -191,11 +193,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="which sentences the recall questions ask for (values: every one stating a number or literal first)")
     parser.add_argument("--min-values", type=int, default=0, help="skip contexts with fewer value sentences")
     parser.add_argument("--windows", type=int, default=1, help="contexts per module (consecutive runs of its docstrings)")
-    parser.add_argument("--packages", default="",
+    parser.add_argument("--packages", type=_counts, default={},
                         help="installed packages whose docstrings follow the stdlib's, as NAME:COUNT,... (COUNT contexts each)")
     args = parser.parse_args(argv)
     records = english_texts(args.num, args.max_chars, seed=args.seed, about=args.questions_about, min_values=args.min_values,
-                            windows=args.windows, packages=_counts(args.packages))
+                            windows=args.windows, packages=args.packages)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("".join(json.dumps(record) + "\n" for record in records))
     print(f"wrote {len(records)} contexts ({sum(len(r['context']) for r in records)} characters) to {args.out}")

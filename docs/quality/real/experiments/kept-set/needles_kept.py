@@ -20,14 +20,8 @@ from transformers import AutoTokenizer  # noqa: E402
 from kvpop import engine as engine_module  # noqa: E402
 from kvpop import eval as evaluation  # noqa: E402
 
-held_after_prefill: dict[str, tuple[list[int], set[int]]] = {}
-original_accept = engine_module.Engine._accept
-
-
-def recording_accept(self, sequence, token):
-    request = sequence.request
-    held_after_prefill.setdefault(request.request_id, (list(request.prompt_ids), set(sequence.cache.position[0, 0].tolist())))
-    return original_accept(self, sequence, token)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from replay_kept_set import held_after_prefill, recording_accept  # noqa: E402  (positions held after prefill)
 
 
 if __name__ == "__main__":
@@ -35,7 +29,8 @@ if __name__ == "__main__":
     evaluation.main(sys.argv[1:])
     tokenizer = AutoTokenizer.from_pretrained("models/smollm2-135m-instruct")
     tasks = [json.loads(line) for line in open(sys.argv[sys.argv.index("--tasks") + 1])]
-    for (ids, held), task in zip(held_after_prefill.values(), tasks):
+    for (ids, positions), task in zip(held_after_prefill.values(), tasks):
+        held = set(positions[0, 0].tolist())  # a shared ranking: every cache holds the same positions
         text, marks = "", ""
         for position, token in enumerate(ids):
             piece = tokenizer.decode([token])

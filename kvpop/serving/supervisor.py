@@ -27,6 +27,10 @@ from kvpop.serving.drain import DRAIN_FILE_ENV, DrainSignal
 from kvpop.serving.launcher import LauncherError, StubProcess, TritonServer, remove_shm_regions, stub_processes
 RESTART_NOTICE_SECONDS = 0.5  # the front end's watcher polls every 0.1 s
 RESTART_NOTICE_MAX_SECONDS = 5.0  # a loaded machine may need longer to answer what the front end holds
+# The gauge falls just before the answer is handed to tritonserver, which still has to write it to the
+# client's connection: on a loaded 2-core machine 0.1 s was not always enough (a dropped connection
+# instead of the 503), so the restart waits this long more.
+RESTART_FLUSH_SECONDS = 1.0
 FRONTEND_GAUGES = ("kvpop_frontend_in_flight_requests",)
 # Gauges that say whether any request is still being served (summed over instances).
 BUSY_GAUGES = ("kvpop_active_sequences", "kvpop_queued_sequences", "kvpop_frontend_in_flight_requests")
@@ -174,15 +178,18 @@ class Supervisor:
 
     def _wait_for_front_end_answers(self) -> None:
         """After the restart notice: until the front end holds no request (it answered each with
-        UNAVAILABLE), at least RESTART_NOTICE_SECONDS and at most RESTART_NOTICE_MAX_SECONDS (a dead
-        front end's gauge never falls; an unreadable metrics port ends the wait)."""
+        UNAVAILABLE) and its answers had time to leave, at least RESTART_NOTICE_SECONDS and at most
+        RESTART_NOTICE_MAX_SECONDS (a dead front end's gauge never falls; a server that exited ends the wait)."""
         started = time.monotonic()
         time.sleep(RESTART_NOTICE_SECONDS)
         while time.monotonic() - started < RESTART_NOTICE_MAX_SECONDS:
-            if not busy_requests(self.server.metrics_url, FRONTEND_GAUGES):
-                time.sleep(0.1)  # the gauge falls just before the answer is sent
+            busy = busy_requests(self.server.metrics_url, FRONTEND_GAUGES)
+            if busy == 0:
+                time.sleep(RESTART_FLUSH_SECONDS)
                 return
-            time.sleep(0.1)
+            if busy is None and self.server.process.poll() is not None:
+                return  # the server is gone: nothing is left to answer
+            time.sleep(0.1)  # busy, or a metrics port too loaded to answer in time: ask again
 
     def _drain_and_stop(self) -> None:
         self.state = "draining"

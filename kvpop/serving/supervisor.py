@@ -164,16 +164,18 @@ class Supervisor:
         # connection: a drain with no grace, then the restart.
         self.drain.start(0)
         self._wait_for_front_end_answers()
+        # tritonserver 2.51 sometimes aborts over a dead stub on its own: its connections dropped then.
+        server_aborted = self.server.process.poll() is not None
         self._stop_server(force=True)
         self.drain.clear()
         try:
             self._start_server()
         except LauncherError as error:
             self._log(f"restart failed: {error}")
-            self.restarts.append({"reason": reason, "recovered": False})
+            self.restarts.append({"reason": reason, "recovered": False, "server_aborted": server_aborted})
             return
         seconds = round(time.monotonic() - started, 1)
-        self.restarts.append({"reason": reason, "recovered": True, "seconds": seconds})
+        self.restarts.append({"reason": reason, "recovered": True, "seconds": seconds, "server_aborted": server_aborted})
         self._log(f"recovered in {seconds} s")
 
     def _wait_for_front_end_answers(self) -> None:

@@ -68,9 +68,15 @@ def replay(model, tokenizer, ids: list[int], held: list[int], mode: str) -> str:
             evicted = torch.ones(layer.values.shape[2], dtype=torch.bool)
             evicted[index] = False
             layer.values[:, :, evicted] = 0 if mode == "zero" else layer.values[:, :, evicted].mean(dim=2, keepdim=True)
+    return greedy_answer(model, tokenizer, cache, ids)
+
+
+def greedy_answer(model, tokenizer, cache, ids: list[int], max_tokens: int = 24) -> str:
+    """Greedy decoding from the prompt's last token on `cache` (the rest of the prompt, cut down)."""
+    with torch.no_grad():
         token, position, generated = ids[-1], len(ids) - 1, []
         end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-        for _ in range(24):
+        for _ in range(max_tokens):
             out = model(torch.tensor([[token]]), past_key_values=cache, position_ids=torch.tensor([[position]]), use_cache=True)
             token, position = int(out.logits[0, -1].argmax()), position + 1
             if token == end:

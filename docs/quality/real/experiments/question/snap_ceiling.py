@@ -15,18 +15,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-MODEL_DIR = "models/smollm2-135m-instruct"
+sys.path.insert(0, str(Path(__file__).resolve().parents[5]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kept-set"))
 
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-def encode(tokenizer, prompt: str) -> list[int]:
-    ids = list(tokenizer(prompt)["input_ids"])
-    bos = tokenizer.bos_token_id
-    return ids if bos is None or (ids and ids[0] == bos) else [bos, *ids]
+from kvpop.eval import encode  # noqa: E402
+from replay_kept_set import MODEL_DIR, greedy_answer  # noqa: E402
 
 
 def votes(model, ids: list[int], observe: int, pool: int) -> tuple[object, torch.Tensor]:
@@ -75,15 +75,7 @@ def answer(model, tokenizer, cache, kept: torch.Tensor, ids: list[int], max_toke
         for layer_index, layer in enumerate(cache.layers):  # keys (1, Hkv, N, D), RoPE applied
             index = kept[layer_index][None, :, :, None].expand(-1, -1, -1, layer.keys.shape[-1])
             layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
-        token, position, generated = ids[-1], len(ids) - 1, []
-        end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-        for _ in range(max_tokens):
-            out = model(torch.tensor([[token]]), past_key_values=cache, position_ids=torch.tensor([[position]]), use_cache=True)
-            token, position = int(out.logits[0, -1].argmax()), position + 1
-            if token == end:
-                break
-            generated.append(token)
-    return tokenizer.decode(generated)
+    return greedy_answer(model, tokenizer, cache, ids, max_tokens)
 
 
 def main() -> None:

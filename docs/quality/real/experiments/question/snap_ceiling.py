@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kept-set"))
 
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from kvpop.eval import encode  # noqa: E402
+from kvpop.eval import encode, scorer  # noqa: E402
 from replay_kept_set import MODEL_DIR, greedy_answer  # noqa: E402
 
 
@@ -95,18 +95,21 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
     model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32, attn_implementation="eager").eval()
     tasks = [json.loads(line) for line in args.tasks.read_text().splitlines()]
-    rows = []
+    is_correct, rows = scorer("contains"), []
     for task in tasks:
         ids = encode(tokenizer, task["prompt"])
+        cache, vote = votes(model, ids, args.observe, args.pool)  # one prefill serves every level
+        full = [(layer.keys, layer.values) for layer in cache.layers]  # cutting and decoding build new tensors
+        if args.shared:  # normalised per head first, so no head's scale dominates
+            vote = (vote / vote.sum(dim=-1, keepdim=True)).sum(dim=(0, 1), keepdim=True).expand_as(vote)
+        if args.spans:
+            vote = span_votes(vote, line_ids(tokenizer, ids[:-1]))
         for compression in args.compression:
-            cache, vote = votes(model, ids, args.observe, args.pool)
-            if args.shared:  # normalised per head first, so no head's scale dominates
-                vote = (vote / vote.sum(dim=-1, keepdim=True)).sum(dim=(0, 1), keepdim=True).expand_as(vote)
+            for layer, (keys, values) in zip(cache.layers, full):
+                layer.keys, layer.values = keys, values
             budget = max(1, round(len(ids) * (1 - compression)))
-            if args.spans:
-                vote = span_votes(vote, line_ids(tokenizer, ids[:-1]))
             text = answer(model, tokenizer, cache, keep(vote, budget, args.sinks, args.window), ids, args.max_tokens)
-            correct = all(str(item) in text for item in (task["answer"] if isinstance(task["answer"], list) else [task["answer"]]))
+            correct = is_correct(text, task["answer"])
             rows.append({"index": task["index"], "family": task["family"], "compression": compression, "correct": correct, "text": text})
             print(task["index"], task["family"], compression, correct, repr(text), flush=True)
     for compression in args.compression:

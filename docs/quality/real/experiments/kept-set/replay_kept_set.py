@@ -44,13 +44,16 @@ def recording_accept(self, sequence, token):  # the first generated token: the p
     return original_accept(self, sequence, token)
 
 
-def needle_lines(tokenizer, ids: list[int], after: int) -> set[int]:
-    """Positions of every needle line of the prompt (not the question at its end) and `after` tokens after."""
+def needle_lines(tokenizer, ids: list[int], after: int, containing: str | None = None) -> set[int]:
+    """Positions of every needle line of the prompt (not the question at its end) and `after` tokens after;
+    with `containing`, only the needle lines that contain that text (the asked needle: its answer)."""
     pieces = [tokenizer.decode([token]) for token in ids]
     starts = np.cumsum([0] + [len(piece) for piece in pieces])
     text = "".join(pieces)
     positions: set[int] = set()
     for match in re.finditer(r"[^\n]*(magic numbers? for|pass key is)[^\n]*", text[: starts[-60]]):
+        if containing is not None and containing not in match.group(0):
+            continue
         first = np.searchsorted(starts, match.start(), "right") - 1
         last = np.searchsorted(starts, match.end(), "left")
         positions.update(range(first, min(last + after, len(ids) - 1)))

@@ -16,6 +16,7 @@ the one-sequence path (the vectorised decode batch ranks by raw scores).
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from kvpop.policies import kvpop as kvpop_policy  # noqa: E402
 
 MODE = sys.argv[1]
 OWN_SHARE = 1e-3
-MAX_SPAN = 48  # longer spans (paragraph lines) are cut into pieces of this many tokens
+MAX_SPAN = int(os.environ.get("MAX_SPAN", "48"))  # longer spans (paragraph lines) are cut into pieces of this many tokens
 PENDING = 1e6  # above every score, below the protected sinks and window
 tokenizer = AutoTokenizer.from_pretrained("models/smollm2-135m-instruct")
 span_of_cache: dict[int, np.ndarray] = {}  # id(cache) -> (prompt length,) span index of each position

@@ -3,13 +3,17 @@
     python docs/quality/real/experiments/spans/span_pooling.py line --model model_repository/kvpop_engine/1 \
         --tasks build/real-tasks/val-2048-pk24.jsonl --sweep --scoring contains --max-tokens 32 --window 64 \
         --policies kvpop:mlstm --compressions 0.75,0.88 --skip-full --out-dir build/exp-eval/span-line
+    MAX_SPAN=24 python ... sentence ...          # spans cut at 24 tokens instead of 48
+    SHOW=1 python ... sentence --model ... --tasks ... --policy kvpop --scorer mlstm --compression 0.75 \
+        --scoring contains --max-tokens 32 --window 64 --out FILE   # kept-set/needles_kept.py's view of the kept tokens
 
 Session 16 found the learned scorer keeps a pass key's digits and drops the space before them, and the
 kept-set ceilings (experiments/ceilings/) that every needle line kept whole answers as well as the full
 cache. Here, at every eviction, each unprotected candidate's priority is the best score among the held
-candidates of its span (plus a small share of its own, so a span that does not fit keeps its best tokens), and the part of the\nspan still entering the window is held until the whole span has been scored:
-a span is kept or dropped together, as ChunkKV / SentenceKV do. Spans end after a token holding a newline
-(`line`), or also after one ending a sentence with . ? ! (`sentence`), and after 48 tokens at most. Protected tokens (sinks, window)
+candidates of its span (plus a small share of its own, so a span that does not fit keeps its best tokens), and the part of the
+span still entering the window is held until the whole span has been scored: a span is kept or dropped
+together, as ChunkKV / SentenceKV do. Spans end after a token holding a newline (`line`), or also after one
+ending a sentence with . ? ! (`sentence`), and after MAX_SPAN tokens at most. Protected tokens (sinks, window)
 have no score yet and do not lift their span. Generated tokens are spans of their own. Decode steps take
 the one-sequence path (the vectorised decode batch ranks by raw scores).
 """
@@ -17,6 +21,7 @@ the one-sequence path (the vectorised decode batch ranks by raw scores).
 from __future__ import annotations
 
 import os
+import runpy
 import sys
 from pathlib import Path
 
@@ -85,4 +90,8 @@ if __name__ == "__main__":
     engine_module.Engine._new_sequence = new_sequence
     kvpop_policy.KVpopPolicy.score = span_score
     kvpop_policy.KVpopPolicy.decodes_in_batch = lambda self, cache: False  # every eviction ranks through span_score
-    evaluation.main(sys.argv[2:])
+    if os.environ.get("SHOW"):
+        sys.argv = [sys.argv[0], *sys.argv[2:]]
+        runpy.run_path(str(Path(__file__).resolve().parents[1] / "kept-set" / "needles_kept.py"), run_name="__main__")
+    else:
+        evaluation.main(sys.argv[2:])

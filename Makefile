@@ -137,6 +137,7 @@ SCORER_MAX_CHARS ?= 8000# context characters (~2k tokens), so the recall questio
 SCORER_QUESTIONS ?= value-only# random | values | value-only (kvpop_train/scorer/english_texts.py)
 SCORER_MIN_VALUES ?= 3
 SCORER_TARGET_SCOPE ?= model# head | layer | model: one model-wide ranking (kvpop_train/scorer/targets.py shape_target)
+SCORER_SPAN_POOLING ?= line# serving ranks prompt tokens by their line's mean score (kvpop/policies/text_spans.py; session 19)
 
 train-scorer: setup  ## train the KVpop scorers (mLSTM + MLP) for MODEL (default: reference -> MODEL/scorer; a real model -> scorers/<name>/)
 	$(if $(IS_REAL_MODEL),$(PY) -m kvpop_train.scorer.english_texts --max-chars $(SCORER_MAX_CHARS) \
@@ -144,7 +145,7 @@ train-scorer: setup  ## train the KVpop scorers (mLSTM + MLP) for MODEL (default
 	$(PY) -m kvpop_train.scorer.train --model $(or $(MODEL),$(REFERENCE)) $(if $(IS_REAL_MODEL),--texts $(SCORER_TEXTS) \
 		--out scorers/$(notdir $(MODEL:/=)) --minutes-per-kind $(SCORER_MINUTES) --num-texts $(SCORER_NUM_TEXTS) \
 		--max-tokens $(SCORER_MAX_TOKENS) --window $(REAL_KV_WINDOW) --target-scope $(SCORER_TARGET_SCOPE) \
-		--traces build/scorer-texts/traces-$(notdir $(MODEL:/=))-$(SCORER_QUESTIONS)-$(SCORER_NUM_TEXTS)x$(SCORER_MAX_TOKENS).pt --threads $(THREADS),--window $(KV_WINDOW))
+		--span-pooling $(SCORER_SPAN_POOLING) --traces build/scorer-texts/traces-$(notdir $(MODEL:/=))-$(SCORER_QUESTIONS)-$(SCORER_NUM_TEXTS)x$(SCORER_MAX_TOKENS).pt --threads $(THREADS),--window $(KV_WINDOW))
 
 # English long-context benchmark (benchmarks/english_tasks.py) on the exported model (`make export`):
 # every policy x compression per context length, contains-scoring, into docs/quality/real/<tokens>/.

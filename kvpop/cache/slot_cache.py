@@ -31,6 +31,7 @@ from kvpop.model_spec import ModelSpec
 if TYPE_CHECKING:
     from kvpop.cache.pool import BatchSlotPool
     from kvpop.policies.base import EvictionPolicy, StatisticsUpdate
+    from kvpop.policies.text_spans import TextSpans
 
 GROWTH_BLOCK = 64  # slots added at a time while a cache fills up to its budget (or grows, unbounded)
 
@@ -97,6 +98,9 @@ class SlotCache:
         self.statistics = {name: np.zeros(self._head_shape(0), np.float32) for name in policy.statistics}
         self.reserve(initial_capacity)
         self.policy_state: Any = policy.init_state()  # the policy's (or its scorer's) per-sequence state
+        # The request's prompt cut into lines, set by the engine for a scorer that ranks by line (not saved
+        # with a session: a later turn sets its own; tokens scored before that keep their priority).
+        self.text_spans: "TextSpans | None" = None
 
     # -- geometry and memory --------------------------------------------------------------------
 

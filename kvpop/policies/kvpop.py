@@ -16,6 +16,7 @@ import numpy as np
 from kvpop.cache.slot_cache import CacheUpdate
 from kvpop.policies.base import EvictionPolicy, StatisticsUpdate
 from kvpop.policies.scorers import LeavingTokens, TokenScorer, make_scorer
+from kvpop.policies.text_spans import TextSpans
 
 SCORE = "kvpop_score"
 
@@ -89,7 +90,18 @@ class KVpopPolicy(EvictionPolicy):
             return False
         if cache.budget == sinks + window:  # no long-range slot: the leaving token is the one dropped
             return True
+        spans = self._line_spans(cache)
+        if spans is not None and cache.tokens_seen - window < spans.prompt_length:
+            return False  # a prompt token leaves: its score moves its whole line (observe does that)
         return not self._scorer_behind(cache) and self._scorer.scores_decode_batch(cache.policy_state)
+
+    @property
+    def ranks_lines(self) -> bool:
+        return self._scorer.pools_lines
+
+    def _line_spans(self, cache) -> "TextSpans | None":
+        """The cache's prompt lines when this scorer ranks by line (kvpop.policies.text_spans), else None."""
+        return cache.text_spans if self._scorer.pools_lines else None
 
     @property
     def statistics(self) -> tuple[str, ...]:
@@ -138,6 +150,11 @@ class KVpopPolicy(EvictionPolicy):
         )
         scores = np.asarray(self._scorer.score(cache, state, leaving), dtype=np.float32)
         cached_score = cache.statistics[SCORE].copy()  # (L, Hkv, C): the leaving old slots get their score
+        spans = self._line_spans(cache)
+        if spans is not None:  # every cache ranks the same positions (shared ranking): one line mean each
+            spans.add_scores(leaving.positions[0, 0], scores[0, 0])
+            scores = spans.priority(leaving.positions, scores)
+            cached_score = spans.priority(cache.position, cached_score)  # held tokens of those lines move too
         np.put_along_axis(cached_score, slots, scores[..., :old_count], axis=2)
         new_statistics[SCORE][:, :, new_tokens] = scores[..., old_count:]
         return StatisticsUpdate(new_statistics, {**scorer_update.cached, SCORE: cached_score})

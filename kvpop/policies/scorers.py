@@ -56,6 +56,12 @@ class TokenScorer(ABC):
         return False
 
     @property
+    def pools_lines(self) -> bool:
+        """Whether the kvpop policy ranks a prompt token by its line's mean score (kvpop.policies.text_spans)
+        rather than by its own: for a scorer whose one model-wide ranking was chosen that way."""
+        return False
+
+    @property
     def catches_up(self) -> bool:
         """Whether the kvpop policy may leave the scorer out while a cache has never had to evict, and
         hand it the cache's tokens at once when it first must (it reads only keys and values, all still

@@ -38,6 +38,12 @@ class ScorerSpec:
     onnx_file: str
     decode_onnx_file: str | None = None  # B sequences' one-token steps in one call (stateful kinds)
     shared_ranking: bool = False  # one model-wide ranking: a token's score is the mean over all L * Hkv caches
+    span_pooling: str = ""  # "line": prompt tokens are ranked by their line's mean score (needs shared_ranking)
+
+    def __post_init__(self) -> None:
+        if self.span_pooling not in ("", "line") or (self.span_pooling and not self.shared_ranking):
+            raise ValueError(f"scorer_{self.kind}.json: span_pooling must be '' or 'line' (with shared_ranking), "
+                             f"got {self.span_pooling!r}")
 
     @classmethod
     def load(cls, path: Path) -> "ScorerSpec":
@@ -51,6 +57,7 @@ class ScorerSpec:
             state_shapes={name: tuple(shape) for name, shape in data["state_shapes"].items()},
             onnx_file=data["onnx_file"], decode_onnx_file=data.get("decode_onnx_file"),
             shared_ranking=config.get("shared_ranking", False),
+            span_pooling=config.get("span_pooling", ""),
         )
 
 
@@ -205,6 +212,10 @@ class LearnedScorer(TokenScorer):
 
     def init_state(self) -> ScorerState:
         return self.runtime.initial_state()
+
+    @property
+    def pools_lines(self) -> bool:
+        return self.runtime.spec.span_pooling == "line"
 
     @property
     def takes_pieces(self) -> bool:

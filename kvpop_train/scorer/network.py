@@ -54,10 +54,15 @@ class ScorerConfig:
     # Trained on one model-wide target (train --target-scope model): every head's network estimates the same
     # importance, so serving averages a token's L * Hkv scores and every cache keeps the same tokens.
     shared_ranking: bool = False
+    # "line": serving ranks a prompt token by the mean score of its line (kvpop.policies.text_spans), chosen
+    # on the validation split (docs/quality/real, session 19); only with the shared ranking.
+    span_pooling: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"scorer kind must be one of {KINDS}, got {self.kind!r}")
+        if self.span_pooling not in ("", "line") or (self.span_pooling and not self.shared_ranking):
+            raise ValueError(f"span_pooling must be '' or 'line' (with shared_ranking), got {self.span_pooling!r}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even (RoPE pairs), got {self.head_dim}")
         for name in ("num_layers", "num_kv_heads", "window", "memory_dim", "hidden_dim"):

@@ -52,6 +52,7 @@ class TrainConfig:
     target_span: int = 0  # see targets.shape_target: 0 = each token's own importance
     target_scope: str = "head"  # see targets.shape_target: head | layer | model
     target_value_norm: bool = False  # see targets.value_weighted: attention times the token's value norm
+    span_pooling: str = ""  # see ScorerConfig.span_pooling: how serving ranks with the scores (not trained on)
     chunk_size: int = 64
     validation_fraction: float = 0.1
     seed: int = 0
@@ -162,7 +163,7 @@ def train_scorer(
         ScorerConfig(
             kind=kind, num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, window=config.window,
             memory_dim=config.memory_dim, hidden_dim=config.hidden_dim, attention_feature=config.attention_feature,
-            shared_ranking=config.target_scope == "model",
+            shared_ranking=config.target_scope == "model", span_pooling=config.span_pooling,
         )
     )
     sample = rng.sample(traces, min(len(traces), 16))
@@ -231,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="share the target across a layer's KV heads or all caches (max)")
     parser.add_argument("--target-value-norm", action="store_true",
                         help="weight the target by each token's value norm (attention x |v|)")
+    parser.add_argument("--span-pooling", choices=("", "line"), default=TrainConfig.span_pooling,
+                        help="'line': serving ranks prompt tokens by their line's mean score (needs --target-scope model)")
     parser.add_argument("--minutes-per-kind", type=float, default=TrainConfig.minutes_per_kind)
     parser.add_argument("--steps", type=int, default=TrainConfig.steps)
     parser.add_argument("--threads", type=int, default=1)
@@ -245,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         window=args.window, attention_feature=args.attention_feature, minutes_per_kind=args.minutes_per_kind,
         steps=args.steps, seed=args.seed, hidden_dim=args.hidden_dim, memory_dim=args.memory_dim,
         regression_weight=args.regression_weight, target_span=args.target_span, target_scope=args.target_scope,
-        target_value_norm=args.target_value_norm,
+        target_value_norm=args.target_value_norm, span_pooling=args.span_pooling,
     )
     out = args.out or args.model / "scorer"
     out.mkdir(parents=True, exist_ok=True)

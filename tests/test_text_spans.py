@@ -114,34 +114,40 @@ def test_policy_keeps_whole_lines_and_ranks_them_by_their_mean(line_scorer_dir, 
     assert not np.array_equal(kept["line"], kept["token"])  # pooling changes what is kept
 
 
-def test_engine_answers_the_same_alone_and_batched_with_line_pooling(tiny_onnx_model_dir, line_scorer_dir, decoder, monkeypatch):
-    """Decode steps of a line-pooled cache take the one-sequence path while prompt tokens leave the
-    window and the vectorised batch path after: answers do not depend on what else runs."""
+def test_engine_pools_lines_alike_in_the_decode_batch_and_one_by_one(tiny_onnx_model_dir, line_scorer_dir, decoder, monkeypatch):
+    """A decode step whose leaving token is in the prompt moves that token's line in the vectorised
+    decode batch (kvpop.cache.decode_batch) exactly as the one-sequence path (`observe`) does: the same
+    answers with the batch path on and off, alone and beside other requests."""
     from transformers import AutoTokenizer
 
     from kvpop.engine import CacheConfig, Engine, GenerationRequest, SamplingParams
     from kvpop.policies.kvpop import KVpopPolicy
     from kvpop.scorer.runtime import LearnedScorer
 
-    asked: list[tuple[bool, bool]] = []  # (the cache has its prompt's lines, may decode in the batch)
-    decodes_in_batch = KVpopPolicy.decodes_in_batch
-    monkeypatch.setattr(KVpopPolicy, "decodes_in_batch",
-                        lambda self, cache: asked.append((cache.text_spans is not None, decodes_in_batch(self, cache))) or asked[-1][1])
-
     tokenizer = AutoTokenizer.from_pretrained(tiny_onnx_model_dir / "tokenizer")
     scorers = {"mlstm": LearnedScorer.load(line_scorer_dir, "mlstm")}
     lines = [f"line {i}: the value of item {i} is {i * 37 % 101}.\n" for i in range(12)]
     prompts = [tokenizer.encode("".join(lines[i:] + lines[:i]), add_special_tokens=False) for i in range(3)]
     config = CacheConfig(policy="kvpop", budget=40, sinks=2, scorer="mlstm")
+    batched_while_prompt_leaves = []
+    decodes_in_batch = KVpopPolicy.decodes_in_batch
+
+    def spy(self, cache):
+        in_batch = decodes_in_batch(self, cache)
+        if in_batch and cache.text_spans is not None and cache.tokens_seen - self.window < cache.text_spans.prompt_length:
+            batched_while_prompt_leaves.append(cache.tokens_seen)
+        return in_batch
 
     def run(batch: list[int]) -> dict[int, list[int]]:
         engine = Engine(decoder, tokenizer=tokenizer, prefill_chunk=32, learned_scorers=scorers)
         requests = [GenerationRequest(f"r{i}", prompts[i], SamplingParams(max_tokens=24, ignore_eos=True), config) for i in batch]
         return {int(result.request_id[1:]): result.output_ids for result in engine.generate(requests)}
 
+    monkeypatch.setattr(KVpopPolicy, "decodes_in_batch", spy)
     together = run([0, 1, 2])
-    assert asked and all(has_lines for has_lines, _ in asked)
-    assert {in_batch for _, in_batch in asked} == {False, True}  # prompt tokens leaving, then generated ones
+    assert batched_while_prompt_leaves  # the batch path pooled prompt tokens
+    monkeypatch.setattr(KVpopPolicy, "decodes_in_batch", lambda self, cache: False)  # the one-sequence path only
+    assert run([0, 1, 2]) == together
     for i in range(3):
         assert run([i])[i] == together[i]
         assert len(together[i]) == 24

@@ -131,6 +131,8 @@ def _append_group(
         score[batch, layer, head, leaving] = policy.token_scorer.score_decode_batch(
             states, token_key, token_value, leaving_key, leaving_value
         )
+        for row, cache in enumerate(caches):  # a prompt token's score moves its whole line (as observe does)
+            policy.pool_leaving_prompt_token(cache, position[row], score[row], leaving[row])
         # Each head drops its lowest-priority unprotected slot (the new token is in the window: kept).
         protected = (position < sinks) | (position >= seen + 1 - window)
         dropped = np.where(protected, np.inf, score).argmin(axis=3)  # (B, L, Hkv) slot

@@ -90,14 +90,23 @@ class KVpopPolicy(EvictionPolicy):
             return False
         if cache.budget == sinks + window:  # no long-range slot: the leaving token is the one dropped
             return True
-        spans = self._line_spans(cache)
-        if spans is not None and cache.tokens_seen - window < spans.prompt_length:
-            return False  # a prompt token leaves: its score moves its whole line (observe does that)
         return not self._scorer_behind(cache) and self._scorer.scores_decode_batch(cache.policy_state)
 
     @property
     def ranks_lines(self) -> bool:
         return self._scorer.pools_lines
+
+    def pool_leaving_prompt_token(self, cache, position: np.ndarray, score: np.ndarray, leaving: np.ndarray) -> None:
+        """Line pooling for a vectorised decode step (kvpop.cache.decode_batch), as `observe` pools a
+        one-sequence step: `score` (L, Hkv, C), the cache's row of the batch's scores, holds the leaving
+        token's raw score at slots `leaving` (L, Hkv); if that token is in the prompt, its line's mean
+        takes it in and every held token of the prompt gets its pooled priority, in place."""
+        spans = self._line_spans(cache)
+        if spans is None or cache.tokens_seen - self.protected_counts(cache.budget)[1] >= spans.prompt_length:
+            return
+        first = leaving[0, 0]
+        spans.add_scores(position[0, 0, first : first + 1], score[0, 0, first : first + 1])
+        score[...] = spans.priority(position, score)
 
     def _line_spans(self, cache) -> "TextSpans | None":
         """The cache's prompt lines when this scorer ranks by line (kvpop.policies.text_spans), else None."""

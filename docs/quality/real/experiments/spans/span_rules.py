@@ -3,7 +3,7 @@
     python docs/quality/real/experiments/spans/span_rules.py scores --tasks build/real-tasks/val-2048-pk96.jsonl \
         --out build/exp-eval/span-rules/val-2048-pk96.npz          # one full-context pass per task (~4 s each)
     python docs/quality/real/experiments/spans/span_rules.py cover --scores build/exp-eval/span-rules/val-2048-pk96.npz
-    python docs/quality/real/experiments/spans/span_rules.py replay --tasks ... --rules raw,sentmax --compressions 0.75,0.88,0.94
+    python docs/quality/real/experiments/spans/span_rules.py replay --scores ... --rules raw,linemean@96/48 --compressions 0.75,0.88,0.94 [--limit N]
 
 The shipped scorer ranks with one model-wide score per position (the mean over the 90 caches of the score a
 token gets when it leaves the 64-token window). Here those scores are computed once per prompt from the

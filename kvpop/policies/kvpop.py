@@ -4,7 +4,9 @@ Budget B = s sinks + w protected recent tokens + k long-range slots. A token is 
 LEAVES the window (so the scorer has seen w tokens of its future); its score is then fixed. The
 leaving token competes with the kept long-range tokens and the lowest is evicted. Ranking all
 non-protected candidates by their fixed scores and keeping the top is exactly that rule, applied to
-every token that left during the append. The scorer is pluggable (see scorers.py).
+every token that left during the append. The scorer is pluggable (see scorers.py). A learned scorer
+whose config says `span_pooling: line` has prompt tokens ranked by their line's mean score instead
+(text_spans.py): the whole line moves when one of its tokens is scored.
 """
 
 from __future__ import annotations

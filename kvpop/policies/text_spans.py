@@ -23,6 +23,13 @@ MAX_SPAN = 48  # tokens: a longer line (a paragraph) is ranked in pieces of this
 OWN_SHARE = 1e-3  # of a token's own score (relative to its line's mean) added to break ties inside a line
 
 
+def check_span_pooling(span_pooling: str, shared_ranking: bool) -> None:
+    """The one rule for a scorer's `span_pooling` setting (its training config and its exported spec):
+    "" or "line", and "line" only with the shared ranking (a line's mean is over one model-wide score)."""
+    if span_pooling not in ("", "line") or (span_pooling and not shared_ranking):
+        raise ValueError(f"span_pooling must be '' or 'line' (with shared_ranking), got {span_pooling!r}")
+
+
 def line_break_table(tokenizer, vocab_size: int) -> np.ndarray:
     """(V,) bool: whether each token's text holds a newline (a line ends after it). Ids the tokenizer
     does not know (an embedding table padded past its vocabulary) end no line."""

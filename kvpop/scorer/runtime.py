@@ -18,6 +18,7 @@ import onnxruntime as ort
 
 from kvpop.policies.base import StatisticsUpdate
 from kvpop.policies.scorers import LeavingTokens, TokenScorer
+from kvpop.policies.text_spans import check_span_pooling
 
 MAX_CHUNK = 64  # rows per ONNX call: the chunk's (T x T) intra-chunk weights stay small in a prefill
 
@@ -41,9 +42,7 @@ class ScorerSpec:
     span_pooling: str = ""  # "line": prompt tokens are ranked by their line's mean score (needs shared_ranking)
 
     def __post_init__(self) -> None:
-        if self.span_pooling not in ("", "line") or (self.span_pooling and not self.shared_ranking):
-            raise ValueError(f"scorer_{self.kind}.json: span_pooling must be '' or 'line' (with shared_ranking), "
-                             f"got {self.span_pooling!r}")
+        check_span_pooling(self.span_pooling, self.shared_ranking)
 
     @classmethod
     def load(cls, path: Path) -> "ScorerSpec":

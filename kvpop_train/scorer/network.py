@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
+from kvpop.policies.text_spans import check_span_pooling
 from kvpop.scorer import LEARNED_SCORER_KINDS
 
 KINDS = LEARNED_SCORER_KINDS
@@ -61,8 +62,7 @@ class ScorerConfig:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"scorer kind must be one of {KINDS}, got {self.kind!r}")
-        if self.span_pooling not in ("", "line") or (self.span_pooling and not self.shared_ranking):
-            raise ValueError(f"span_pooling must be '' or 'line' (with shared_ranking), got {self.span_pooling!r}")
+        check_span_pooling(self.span_pooling, self.shared_ranking)
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even (RoPE pairs), got {self.head_dim}")
         for name in ("num_layers", "num_kv_heads", "window", "memory_dim", "hidden_dim"):

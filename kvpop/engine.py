@@ -7,7 +7,8 @@ measured decode step: kvpop.prefill_pacer), as vLLM's scheduler interleaves chun
 decode: a long new prompt no longer stalls the running streams for its whole prefill, only for one
 step's share of it. Pieces of several prompts that have the same length run as one batched call. A
 prompt's chunk size is fixed by the request alone (`prefill_chunk`, at most max(budget,
-`min_bounded_chunk`), evicting between chunks so peak memory stays bounded by budget + chunk); a chunk
+`min_bounded_chunk`), evicting between chunks so peak memory stays bounded by budget + chunk; or, with
+`whole_prompt_tokens`, the whole prompt, evicted once after it); a chunk
 computed in pieces over several steps enters its cache once, whole (kvpop.cache.staged_chunk), so
 outputs never depend on what else is running. Sequences of
 different lengths and budgets share the decode step through the batch pool (padded slots are
@@ -206,21 +207,30 @@ class Engine:
         prefixes: PrefixCache | None = None,
         min_bounded_chunk: int = 1,
         prefill_pacing: float | None = None,
+        whole_prompt_tokens: int = 0,
     ) -> None:
         """`max_step_tokens`: prompt tokens fed per step while streams decode (default one
         `prefill_chunk`; a chunk longer than what is left is computed in pieces over several steps):
         the longest a running stream waits for prefill work between two tokens.
         `min_bounded_chunk`: a bounded cache's prompt chunks hold max(budget, this) tokens (at most
         `prefill_chunk`), so a small budget does not prefill a prompt in many small calls.
+        `whole_prompt_tokens`: a bounded cache whose policy reads no attention takes a prompt of up to
+        this many tokens (the part not already in its cache) as ONE chunk: prefilled with full
+        attention, evicted once after it (compress after prefill, as kvpress does), holding the prompt's
+        keys and values meanwhile. Evicting while prefilling changes the keys and values of everything
+        after the first eviction, and costs the learned scorer most of its answers at 75-88%
+        (docs/quality/real, session 20). 0, longer prompts, and policies that read attention (whose
+        rows would be prompt x prompt) evict as they prefill.
         `prefill_pacing`: while streams decode, size each step's prompt work to about this many decode
         steps' time, measured as the engine runs (kvpop.prefill_pacer; `max_step_tokens` stays the
         ceiling); None: the token budget alone.
         `sessions` and `prefixes` outlive an engine (a service restarts its engine after a failure)."""
         max_step_tokens = prefill_chunk if max_step_tokens is None else max_step_tokens
-        if max_batch_size < 1 or prefill_chunk < 1 or max_step_tokens < 1 or min_bounded_chunk < 1:
+        if max_batch_size < 1 or prefill_chunk < 1 or max_step_tokens < 1 or min_bounded_chunk < 1 or whole_prompt_tokens < 0:
             raise ValueError(
-                f"max_batch_size, prefill_chunk, max_step_tokens and min_bounded_chunk must be >= 1, got "
-                f"{max_batch_size}, {prefill_chunk}, {max_step_tokens}, {min_bounded_chunk}"
+                f"max_batch_size, prefill_chunk, max_step_tokens and min_bounded_chunk must be >= 1 and "
+                f"whole_prompt_tokens >= 0, got {max_batch_size}, {prefill_chunk}, {max_step_tokens}, "
+                f"{min_bounded_chunk}, {whole_prompt_tokens}"
             )
         self.decoder = decoder
         self.spec = decoder.spec
@@ -228,11 +238,12 @@ class Engine:
         self.max_batch_size = max_batch_size
         self.prefill_chunk = prefill_chunk
         self.min_bounded_chunk = min_bounded_chunk
+        self.whole_prompt_tokens = whole_prompt_tokens
         self.max_step_tokens = max_step_tokens
         self.pacer = PrefillPacer(prefill_pacing) if prefill_pacing else None
         self.learned_scorers = learned_scorers or {}  # kind -> scorer shared by this engine's sequences
         self._line_break_table: np.ndarray | None = None  # see _line_breaks
-        if tokenizer is not None and any(scorer.pools_lines for scorer in self.learned_scorers.values()):
+        if tokenizer is not None and any(scorer.span_pooling for scorer in self.learned_scorers.values()):
             self._line_breaks()  # now (0.13 s for SmolLM2's 49,152 tokens), not on a request's first step
         self.cache_manager = CacheManager(self.spec, decoder.device_store, sessions, self.learned_scorers, prefixes)
         self._lock = threading.Lock()  # guards _waiting, _cancelled, _finished, _request_ids
@@ -358,11 +369,13 @@ class Engine:
         """An admitted request's sequence with the cache the manager gives it (empty, a session's
         saved state or a warm prefix's); the rest of its prompt is fed by `_decode_and_prefill`."""
         allocation = self.cache_manager.allocate(request)
-        if allocation.cache.policy.ranks_lines and self.tokenizer is not None:
-            allocation.cache.text_spans = TextSpans.of_prompt(request.prompt_ids, self._line_breaks())
+        pooling = allocation.cache.policy.span_pooling
+        if pooling and self.tokenizer is not None:
+            allocation.cache.text_spans = TextSpans.of_prompt(request.prompt_ids, self._line_breaks(), pooling)
         return _Sequence(
             request=request, allocation=allocation, sampler=Sampler(request.sampling),
-            chunk_size=self._chunk_size(allocation.cache.budget), prefilled=allocation.tokens_reused,
+            chunk_size=self._chunk_size(allocation.cache, len(request.prompt_ids) - allocation.tokens_reused),
+            prefilled=allocation.tokens_reused,
         )
 
     def _line_breaks(self) -> np.ndarray:
@@ -371,10 +384,19 @@ class Engine:
             self._line_break_table = line_break_table(self.tokenizer, self.spec.vocab_size)
         return self._line_break_table
 
-    def _chunk_size(self, budget: int | None) -> int:
-        # A bounded cache takes at most max(budget, min_bounded_chunk) tokens per chunk, so no query
-        # sees more than budget cached + that many new tokens (with the default floor of 1: budget +
-        # budget; a larger chunk would flatter the policy). The service raises the floor
+    def _chunk_size(self, cache: SlotCache, prompt_left: int) -> int:
+        if self.prefills_whole(cache.policy, cache.budget, prompt_left):
+            return prompt_left
+        return self._evicting_chunk(cache.budget)
+
+    def prefills_whole(self, policy: EvictionPolicy, budget: int | None, prompt_left: int) -> bool:
+        """Whether this bounded cache takes its prompt in one chunk (`whole_prompt_tokens`)."""
+        return budget is not None and not policy.needs_attention and 0 < prompt_left <= self.whole_prompt_tokens
+
+    def _evicting_chunk(self, budget: int | None) -> int:
+        # A bounded cache that evicts while prefilling takes at most max(budget, min_bounded_chunk)
+        # tokens per chunk, so no query sees more than budget cached + that many new tokens (with the
+        # default floor of 1: budget + budget). The service raises the floor
         # (`min_prefill_chunk_tokens`): a 16-slot budget would otherwise prefill a 100-token chat in
         # seven calls; the cache it keeps is still `budget` slots.
         if budget is None:
@@ -390,7 +412,9 @@ class Engine:
         if cache.compression is not None:
             raise ValueError("a warm prefix needs a fixed budget: a compression ratio's budget depends on each request")
         budget = cache.resolve_budget(len(prompt_ids), 0)
-        chunk = self._chunk_size(budget)
+        if self.whole_prompt_tokens and self.prefills_whole(cache.build_policy(self.learned_scorers), budget, len(prompt_ids)):
+            return 0  # a cold prefill would take prefix and rest as one chunk: no state to start it from
+        chunk = self._evicting_chunk(budget)
         keep = len(prompt_ids) if budget is None else len(prompt_ids) // chunk * chunk
         if keep == 0:
             return 0

@@ -87,6 +87,7 @@ def evaluate(
             "peak_kv_bytes": result.peak_kv_bytes,
         })
     count = len(rows)
+    policy = cache.build_policy(engine.learned_scorers)
     return {
         "policy": cache.policy,
         "budget": cache.budget,
@@ -99,6 +100,9 @@ def evaluate(
         "compression_achieved": sum(row["compression"] for row in rows) / count,
         "mean_budget": sum(row["budget"] for row in rows) / count,
         "max_peak_kv_bytes": max(row["peak_kv_bytes"] for row in rows),
+        # prompts prefilled whole, then evicted (Engine whole_prompt_tokens): they held all their keys meanwhile
+        "prefilled_whole": sum(engine.prefills_whole(policy, row["budget"] if policy.evicts else None, row["prompt_tokens"])
+                               for row in rows),
         "generated_tokens_per_s": sum(row["output_tokens"] for row in rows) / seconds,
         "seconds": seconds,
         "rows": rows,
@@ -311,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=None, help="first N tasks only")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--prefill-chunk", type=int, default=256)
+    parser.add_argument("--whole-prompt-tokens", type=int, default=8192,
+                        help="a bounded cache whose policy reads no attention prefills prompts up to this long whole, "
+                             "then evicts (the service's whole_prompt_tokens); 0: evict while prefilling")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--scoring", choices=["final_answer", "contains"], default="final_answer")
     parser.add_argument("--out", type=Path, help="report JSON (single run)")
@@ -333,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--model and --tasks are required (except with --merge)")
 
     tasks = load_tasks(args.tasks, args.limit)
-    engine = Engine.from_model_dir(args.model, device=args.device, max_batch_size=args.batch_size, prefill_chunk=args.prefill_chunk)
+    engine = Engine.from_model_dir(args.model, device=args.device, max_batch_size=args.batch_size, prefill_chunk=args.prefill_chunk,
+                                   whole_prompt_tokens=args.whole_prompt_tokens)
     if args.sweep:
         if args.out_dir is None:
             parser.error("--sweep needs --out-dir")

@@ -1,4 +1,5 @@
-"""Line pooling (kvpop.policies.text_spans): lines of the prompt ranked by their mean learned score."""
+"""Line pooling (kvpop.policies.text_spans): lines of the prompt ranked by their mean learned score, or by how
+far that mean stands out from the text around the line."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from kvpop.policies.text_spans import OWN_SHARE, TextSpans, line_break_table
+from kvpop.policies.text_spans import CONTRAST_WIDTH, OWN_SHARE, TextSpans, line_break_table
 
 torch = pytest.importorskip("torch")
 
@@ -18,7 +19,7 @@ def test_prompt_is_cut_after_line_breaks_and_at_the_longest_span():
     spans = TextSpans.of_prompt([1, 7, 2, 2, 2, 2, 2, 7, 3], breaks, max_span=3)
     #   ids:  1 7 | 2 2 2 | 2 2 7 | 3
     assert spans.span.tolist() == [0, 0, 1, 1, 1, 2, 2, 2, 3]
-    assert spans.prompt_length == 9 and len(spans.score_sum) == 4
+    assert spans.prompt_length == 9 and spans.line_start.tolist() == [0, 2, 5, 8, 9]
 
 
 def test_a_line_is_ranked_by_the_mean_of_every_token_scored_so_far():
@@ -36,6 +37,26 @@ def test_a_line_is_ranked_by_the_mean_of_every_token_scored_so_far():
     assert spans.priority(positions[:, :1], current[:, :1])[0, 0] == got[0, 0]
 
 
+def test_line_contrast_ranks_a_line_by_how_far_it_stands_out_from_the_lines_around_it():
+    spans = TextSpans.of_prompt([0, 1, 0, 1, 0, 1, 0, 1], np.array([False, True]), "line_contrast")
+    assert spans.contrast_width == CONTRAST_WIDTH
+    spans.contrast_width = 4  # two positions either side of a line
+    spans.add_scores(np.arange(8), np.array([5, 5, 4, 4, 3, 3, 1, 1], np.float32))  # lines of 2: 5, 4, 3, 1
+    mean, value = spans.line_values()
+    prompt_mean = 26 / 8
+    np.testing.assert_allclose(mean, [5, 4, 3, 1])
+    # each line's mean, minus the mean of the lines next to it, plus the prompt's mean
+    np.testing.assert_allclose(value, [5 - 4 + prompt_mean, 4 - 4 + prompt_mean, 3 - 2.5 + prompt_mean, 1 - 3 + prompt_mean])
+    # the first line (a system prompt, in high-scoring text) leads a line standing out further on by less
+    assert value[0] - value[2] < mean[0] - mean[2]
+    got = spans.priority(np.array([4, 5]), np.zeros(2, np.float32))
+    np.testing.assert_allclose(got, [value[2]] * 2, rtol=1e-6)
+    # a line with nothing scored around it yet is ranked by its mean
+    alone = TextSpans.of_prompt([0, 1, 0, 1], np.array([False, True]), "line_contrast")
+    alone.add_scores(np.array([0, 1]), np.array([2.0, 4.0], np.float32))
+    assert alone.line_values()[1][0] == pytest.approx(3.0)
+
+
 def test_line_break_table_marks_the_tokens_holding_a_newline():
     class Tokenizer:
         pieces = ["a", "b\n", "\n\n", "c"]
@@ -49,14 +70,14 @@ def test_line_break_table_marks_the_tokens_holding_a_newline():
     assert line_break_table(Tokenizer(), 6).tolist() == [False, True, True, False, False, False]  # 4, 5: padding
 
 
-@pytest.fixture(scope="module")
-def line_scorer_dir(tiny_hf_model_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=["line", "line_contrast"])
+def line_scorer_dir(tiny_hf_model_dir, tmp_path_factory, request):
     """The tiny model's trained mLSTM scorer as one shared ranking, pooled by line, exported."""
     from kvpop_train.scorer.network import Scorer, load_scorer
     from kvpop_train.scorer.onnx_export import export_scorer
 
     trained = load_scorer(tiny_hf_model_dir / "scorer" / "scorer_mlstm.pt")
-    pooled = Scorer(dataclasses.replace(trained.config, shared_ranking=True, span_pooling="line")).eval()
+    pooled = Scorer(dataclasses.replace(trained.config, shared_ranking=True, span_pooling=request.param)).eval()
     pooled.load_state_dict(trained.state_dict())
     directory = tmp_path_factory.mktemp("line-scorer")
     assert export_scorer(pooled, directory).passed
@@ -73,14 +94,14 @@ def test_span_pooling_needs_the_shared_ranking():
 
 
 def test_policy_keeps_whole_lines_and_ranks_them_by_their_mean(line_scorer_dir, decoder):
-    """A prompt read in one append: the long-range slots hold the lines of highest mean score, whole,
-    and at most one line in part (the one at the budget's edge, its best tokens)."""
+    """A prompt read in one append: the long-range slots hold the lines ranked highest (by mean score, or
+    by contrast), whole, and at most one line in part (the one at the budget's edge, its best tokens)."""
     from kvpop.cache import SlotCache
     from kvpop.policies.kvpop import KVpopPolicy
     from kvpop.scorer.runtime import LearnedScorer
 
     scorer = LearnedScorer.load(line_scorer_dir, "mlstm")
-    assert scorer.pools_lines
+    assert scorer.span_pooling in ("line", "line_contrast")
     spec = decoder.spec
     rng = np.random.default_rng(0)
     prompt = rng.integers(3, spec.vocab_size, 120).tolist()
@@ -93,7 +114,7 @@ def test_policy_keeps_whole_lines_and_ranks_them_by_their_mean(line_scorer_dir, 
         policy = KVpopPolicy(sinks=2, window=scorer.window, scorer=scorer)
         cache = SlotCache(spec, policy, budget=40)
         if pooled:
-            cache.text_spans = TextSpans.of_prompt(prompt, breaks)
+            cache.text_spans = TextSpans.of_prompt(prompt, breaks, scorer.span_pooling)
         out = decoder.run(np.array([prompt]), np.arange(len(prompt))[None], *decoder.empty_cache(), last_only=True, attention=False)
         cache.append(out.new_key[:, 0], out.new_value[:, 0], None, None)
         held = np.sort(cache.position, axis=2).reshape(-1, cache.capacity)
@@ -107,10 +128,10 @@ def test_policy_keeps_whole_lines_and_ranks_them_by_their_mean(line_scorer_dir, 
             lines = spans.span[long_range]
             partial = [line for line in set(lines.tolist()) if not np.isin(scored[spans.span[scored] == line], long_range).all()]
             assert len(partial) <= 1
-            means = spans.score_sum / np.maximum(spans.scored, 1)
+            _, ranked_by = spans.line_values()
             whole = sorted(set(lines.tolist()) - set(partial))
             dropped = sorted(set(spans.span[scored].tolist()) - set(lines.tolist()))
-            assert min(means[whole]) >= max(means[dropped], default=-np.inf)
+            assert min(ranked_by[whole]) >= max(ranked_by[dropped], default=-np.inf)
     assert not np.array_equal(kept["line"], kept["token"])  # pooling changes what is kept
 
 

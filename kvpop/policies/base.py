@@ -50,7 +50,7 @@ class EvictionPolicy(ABC):
     uses_window: ClassVar[bool] = False
     evicts: ClassVar[bool] = True  # False only for the full cache
     needs_attention: ClassVar[bool] = False  # reads CacheUpdate.attention (the step must return it)
-    ranks_lines: ClassVar[bool] = False  # ranks prompt tokens by line: the engine sets SlotCache.text_spans
+    span_pooling: ClassVar[str] = ""  # ranks prompt tokens by line (text_spans.py): the engine sets SlotCache.text_spans
 
     def init_state(self) -> Any:
         """A new sequence's policy state, which its cache keeps (default: none)."""

@@ -95,8 +95,8 @@ class KVpopPolicy(EvictionPolicy):
         return not self._scorer_behind(cache) and self._scorer.scores_decode_batch(cache.policy_state)
 
     @property
-    def ranks_lines(self) -> bool:
-        return self._scorer.pools_lines
+    def span_pooling(self) -> str:
+        return self._scorer.span_pooling
 
     def pool_leaving_prompt_token(self, cache, position: np.ndarray, score: np.ndarray, leaving: np.ndarray) -> None:
         """Line pooling for a vectorised decode step (kvpop.cache.decode_batch), as `observe` pools a
@@ -112,7 +112,7 @@ class KVpopPolicy(EvictionPolicy):
 
     def _line_spans(self, cache) -> "TextSpans | None":
         """The cache's prompt lines when this scorer ranks by line (kvpop.policies.text_spans), else None."""
-        return cache.text_spans if self._scorer.pools_lines else None
+        return cache.text_spans if self._scorer.span_pooling else None
 
     @property
     def statistics(self) -> tuple[str, ...]:

@@ -56,10 +56,10 @@ class TokenScorer(ABC):
         return False
 
     @property
-    def pools_lines(self) -> bool:
-        """Whether the kvpop policy ranks a prompt token by its line's mean score (kvpop.policies.text_spans)
-        rather than by its own: for a scorer whose one model-wide ranking was chosen that way."""
-        return False
+    def span_pooling(self) -> str:
+        """How the kvpop policy ranks prompt tokens (kvpop.policies.text_spans): "" by their own score,
+        "line" / "line_contrast" by their line's: for a scorer whose one model-wide ranking was chosen that way."""
+        return ""
 
     @property
     def catches_up(self) -> bool:

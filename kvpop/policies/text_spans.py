@@ -8,6 +8,13 @@ lines that reach a high score somewhere by chance (docs/quality/real, session 19
 `MAX_SPAN` tokens are cut into pieces of that length. A line's mean is over every one of its tokens
 scored so far, evicted or not, so evicting part of a line does not move the rest of it.
 
+"line_contrast" (session 20) ranks a line by how far its mean stands out from the text around it: the
+mean minus the mean score of the `CONTRAST_WIDTH` scored tokens around the line (half before, half
+after, the line left out), plus the mean of the whole prompt so the values stay on the scale of a raw
+score (generated tokens compete with them). The scores fall by ~1.5 from the prompt's first lines (a
+system prompt, an instruction) to its middle; by the plain mean those first lines outrank a needle in
+the middle and take the budget at high compression.
+
 Only the prompt is pooled (the engine knows its tokens when the request arrives): generated tokens,
 and positions whose score came from before this cache's spans were set (a session's earlier turns, a
 warm prefix), keep the priority they had.
@@ -19,15 +26,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
+SPAN_POOLINGS = ("", "line", "line_contrast")
 MAX_SPAN = 48  # tokens: a longer line (a paragraph) is ranked in pieces of this length
 OWN_SHARE = 1e-3  # of a token's own score (relative to its line's mean) added to break ties inside a line
+CONTRAST_WIDTH = 384  # positions around a line whose scores it is measured against ("line_contrast")
 
 
 def check_span_pooling(span_pooling: str, shared_ranking: bool) -> None:
     """The one rule for a scorer's `span_pooling` setting (its training config and its exported spec):
-    "" or "line", and "line" only with the shared ranking (a line's mean is over one model-wide score)."""
-    if span_pooling not in ("", "line") or (span_pooling and not shared_ranking):
-        raise ValueError(f"span_pooling must be '' or 'line' (with shared_ranking), got {span_pooling!r}")
+    one of SPAN_POOLINGS, and a line ranking only with the shared ranking (one model-wide score a line)."""
+    if span_pooling not in SPAN_POOLINGS or (span_pooling and not shared_ranking):
+        raise ValueError(f"span_pooling must be one of {SPAN_POOLINGS} (a line ranking with shared_ranking), "
+                         f"got {span_pooling!r}")
 
 
 def line_break_table(tokenizer, vocab_size: int) -> np.ndarray:
@@ -41,15 +51,17 @@ def line_break_table(tokenizer, vocab_size: int) -> np.ndarray:
 
 @dataclass
 class TextSpans:
-    """One sequence's prompt cut into lines, and the running score sums that rank them."""
+    """One sequence's prompt cut into lines, and the scores that rank them."""
 
     span: np.ndarray  # (P,) int64: line index of each prompt position
+    line_start: np.ndarray  # (S + 1,) int64: each line's first position, then P
     own: np.ndarray  # (P,) float32: each position's own score once scored, NaN before
-    score_sum: np.ndarray  # (S,) float64: per line, the sum of its scored tokens' scores
-    scored: np.ndarray  # (S,) int64: per line, how many of its tokens are scored
+    contrast_width: int = 0  # 0: rank a line by its mean; else by its contrast with this many positions around
 
     @classmethod
-    def of_prompt(cls, prompt_ids: "list[int] | np.ndarray", line_breaks: np.ndarray, max_span: int = MAX_SPAN) -> "TextSpans":
+    def of_prompt(cls, prompt_ids: "list[int] | np.ndarray", line_breaks: np.ndarray, pooling: str = "line",
+                  max_span: int = MAX_SPAN) -> "TextSpans":
+        check_span_pooling(pooling, shared_ranking=True)
         ends = line_breaks[np.asarray(prompt_ids, np.int64)]  # (P,) the line ends after this token
         span = np.zeros(len(ends), np.int64)
         current, length = 0, 0
@@ -58,8 +70,10 @@ class TextSpans:
             length += 1
             if end or length == max_span:
                 current, length = current + 1, 0
-        count = current + 1
-        return cls(span, np.full(len(ends), np.nan, np.float32), np.zeros(count), np.zeros(count, np.int64))
+        lines = int(span[-1]) + 1 if len(span) else 0
+        line_start = np.searchsorted(span, np.arange(lines + 1))  # (lines + 1,) each line's first position, then P
+        return cls(span, line_start, np.full(len(ends), np.nan, np.float32),
+                   CONTRAST_WIDTH if pooling == "line_contrast" else 0)
 
     @property
     def prompt_length(self) -> int:
@@ -70,10 +84,24 @@ class TextSpans:
         inside = (positions >= 0) & (positions < self.prompt_length)
         positions, scores = positions[inside], scores[inside]
         fresh = np.isnan(self.own[positions])
-        positions, scores = positions[fresh], scores[fresh]
-        self.own[positions] = scores
-        np.add.at(self.score_sum, self.span[positions], scores)
-        np.add.at(self.scored, self.span[positions], 1)
+        self.own[positions[fresh]] = scores[fresh]
+
+    def line_values(self) -> tuple[np.ndarray, np.ndarray]:
+        """(S,) each line's mean score so far, and (S,) the value it is ranked by."""
+        scored = ~np.isnan(self.own)
+        total = np.concatenate([[0.0], np.cumsum(np.where(scored, self.own, 0.0))])  # (P + 1,) prefix sums
+        count = np.concatenate([[0], np.cumsum(scored)])
+        start, stop = self.line_start[:-1], self.line_start[1:]
+        mean = (total[stop] - total[start]) / np.maximum(count[stop] - count[start], 1)
+        if not self.contrast_width:
+            return mean, mean
+        half = self.contrast_width // 2
+        before, after = np.maximum(start - half, 0), np.minimum(stop + half, self.prompt_length)
+        around_sum = total[start] - total[before] + total[after] - total[stop]
+        around_count = count[start] - count[before] + count[after] - count[stop]
+        prompt_mean = total[-1] / max(count[-1], 1)
+        contrast = mean - around_sum / np.maximum(around_count, 1) + prompt_mean
+        return mean, np.where(around_count > 0, contrast, mean)
 
     def priority(self, positions: np.ndarray, current: np.ndarray) -> np.ndarray:
         """The pooled priority of `positions` (any shape); `current` where a position has no pooled
@@ -82,6 +110,6 @@ class TextSpans:
         index = np.where(inside, positions, 0)
         own = self.own[index]
         line = self.span[index]
-        mean = (self.score_sum[line] / np.maximum(self.scored[line], 1)).astype(np.float32)
-        pooled = mean + np.float32(OWN_SHARE) * (own - mean)
+        mean, value = (values.astype(np.float32) for values in self.line_values())
+        pooled = value[line] + np.float32(OWN_SHARE) * (own - mean[line])
         return np.where(inside & ~np.isnan(own), pooled, current).astype(np.float32)

@@ -39,7 +39,7 @@ class ScorerSpec:
     onnx_file: str
     decode_onnx_file: str | None = None  # B sequences' one-token steps in one call (stateful kinds)
     shared_ranking: bool = False  # one model-wide ranking: a token's score is the mean over all L * Hkv caches
-    span_pooling: str = ""  # "line": prompt tokens are ranked by their line's mean score (needs shared_ranking)
+    span_pooling: str = ""  # "line" / "line_contrast": prompt tokens ranked by their line (text_spans.py; shared_ranking)
 
     def __post_init__(self) -> None:
         check_span_pooling(self.span_pooling, self.shared_ranking)
@@ -213,8 +213,8 @@ class LearnedScorer(TokenScorer):
         return self.runtime.initial_state()
 
     @property
-    def pools_lines(self) -> bool:
-        return self.runtime.spec.span_pooling == "line"
+    def span_pooling(self) -> str:
+        return self.runtime.spec.span_pooling
 
     @property
     def takes_pieces(self) -> bool:

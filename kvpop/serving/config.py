@@ -27,6 +27,9 @@ class ServiceConfig:
     max_running_sequences: int = 16  # sequences decoded together in one engine step (in-flight batch)
     prefill_chunk_tokens: int = 256  # prompt tokens per prefill call (a bounded cache: at most max(budget, the next))
     min_prefill_chunk_tokens: int = 64  # a bounded cache's prefill chunks hold at least this many tokens (or the whole prompt)
+    # A bounded cache whose policy reads no attention (kvpop with a learned scorer, streaming, random) prefills
+    # a prompt of up to this many tokens whole, then evicts (Engine whole_prompt_tokens); 0: evict while prefilling
+    whole_prompt_tokens: int = 4096
     max_step_tokens: int = 0  # prompt tokens fed per engine step beside the decodes (0: one chunk)
     prefill_pacing: float = 0.0  # prompt work per step beside decodes, in measured decode steps' time (0: off; kvpop.prefill_pacer)
     ort_threads: int = 0  # onnxruntime intra-op threads (0: onnxruntime's default)
@@ -48,10 +51,12 @@ class ServiceConfig:
                      "min_kv_budget"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"parameter {name} must be > 0, got {getattr(self, name)}")
-        if self.ort_threads < 0 or self.max_queue_size < 0 or self.max_step_tokens < 0 or not self.prefill_pacing >= 0:
+        if (self.ort_threads < 0 or self.max_queue_size < 0 or self.max_step_tokens < 0 or not self.prefill_pacing >= 0
+                or self.whole_prompt_tokens < 0):
             raise ValueError(
-                f"parameters ort_threads, max_queue_size, max_step_tokens and prefill_pacing must be >= 0, got "
-                f"{self.ort_threads}, {self.max_queue_size}, {self.max_step_tokens}, {self.prefill_pacing}"
+                f"parameters ort_threads, max_queue_size, max_step_tokens, prefill_pacing and whole_prompt_tokens must "
+                f"be >= 0, got {self.ort_threads}, {self.max_queue_size}, {self.max_step_tokens}, {self.prefill_pacing}, "
+                f"{self.whole_prompt_tokens}"
             )
         if min(self.session_hot_mb, self.session_warm_mb, self.session_cold_mb) < 0 or self.session_ttl_s <= 0:
             raise ValueError("parameters session_hot_mb, session_warm_mb, session_cold_mb must be >= 0, session_ttl_s > 0")

@@ -80,6 +80,7 @@ class KVpopService:
             max_batch_size=self.config.max_running_sequences,
             prefill_chunk=self.config.prefill_chunk_tokens,
             min_bounded_chunk=self.config.min_prefill_chunk_tokens,
+            whole_prompt_tokens=self.config.whole_prompt_tokens,
             max_step_tokens=self.config.max_step_tokens or None,
             prefill_pacing=self.config.prefill_pacing or None,
             learned_scorers=self.learned_scorers,

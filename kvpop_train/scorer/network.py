@@ -55,8 +55,9 @@ class ScorerConfig:
     # Trained on one model-wide target (train --target-scope model): every head's network estimates the same
     # importance, so serving averages a token's L * Hkv scores and every cache keeps the same tokens.
     shared_ranking: bool = False
-    # "line": serving ranks a prompt token by the mean score of its line (kvpop.policies.text_spans), chosen
-    # on the validation split (docs/quality/real, session 19); only with the shared ranking.
+    # "line": serving ranks a prompt token by the mean score of its line (kvpop.policies.text_spans, session 19);
+    # "line_contrast": by that mean minus the mean score of the text around the line (session 20). Chosen on the
+    # validation split (docs/quality/real); only with the shared ranking.
     span_pooling: str = ""
 
     def __post_init__(self) -> None:

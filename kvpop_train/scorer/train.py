@@ -27,6 +27,7 @@ import torch
 from torch.nn import functional
 from tqdm import tqdm
 
+from kvpop.policies.text_spans import SPAN_POOLINGS
 from kvpop_train.scorer.network import KINDS, Scorer, ScorerConfig, save_scorer
 from kvpop_train.scorer.targets import TARGET_SCOPES, shape_target, value_weighted
 from kvpop_train.scorer.traces import Trace, collect_traces, load_traces, read_texts, save_traces, task_texts
@@ -232,8 +233,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="share the target across a layer's KV heads or all caches (max)")
     parser.add_argument("--target-value-norm", action="store_true",
                         help="weight the target by each token's value norm (attention x |v|)")
-    parser.add_argument("--span-pooling", choices=("", "line"), default=TrainConfig.span_pooling,
-                        help="'line': serving ranks prompt tokens by their line's mean score (needs --target-scope model)")
+    parser.add_argument("--span-pooling", choices=SPAN_POOLINGS, default=TrainConfig.span_pooling,
+                        help="serving ranks prompt tokens by their line's mean score ('line') or by how far it stands out from the "
+                             "text around the line ('line_contrast'); needs --target-scope model")
     parser.add_argument("--minutes-per-kind", type=float, default=TrainConfig.minutes_per_kind)
     parser.add_argument("--steps", type=int, default=TrainConfig.steps)
     parser.add_argument("--threads", type=int, default=1)

@@ -39,18 +39,18 @@ def main() -> None:
     tasks = [json.loads(line) for line in args.tasks.read_text().splitlines()][: args.num]
     prompts = [encode(engine.tokenizer, task["prompt"]) for task in tasks]
     config = CacheConfig(policy="kvpop", compression=args.compression, scorer="mlstm")
-    pooled_property = LearnedScorer.pools_lines
+    pooled_property = LearnedScorer.span_pooling
     seconds: dict[str, list[float]] = {"line pooling": [], "own score": []}
     for repeat in range(args.repeats):
         for name in seconds:
-            LearnedScorer.pools_lines = pooled_property if name == "line pooling" else property(lambda self: False)
+            LearnedScorer.span_pooling = pooled_property if name == "line pooling" else property(lambda self: "")
             requests = [GenerationRequest(f"{name}-{repeat}-{i}", prompt, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True), config)
                         for i, prompt in enumerate(prompts)]
             start = time.perf_counter()
             engine.generate(requests)
             seconds[name].append(time.perf_counter() - start)
             print(f"[{repeat + 1}/{args.repeats}] {name}: {seconds[name][-1]:.1f} s", flush=True)
-    LearnedScorer.pools_lines = pooled_property
+    LearnedScorer.span_pooling = pooled_property
     medians = {name: statistics.median(values) for name, values in seconds.items()}
     ratio = medians["line pooling"] / medians["own score"]
     print(f"median: line pooling {medians['line pooling']:.1f} s, own score {medians['own score']:.1f} s, ratio {ratio:.3f}")

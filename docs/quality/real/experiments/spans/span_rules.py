@@ -14,7 +14,8 @@ all needle lines are kept whole; `replay` greedily answers on the full-context c
 (kept-set/replay_kept_set.py's method), so a rule is judged on answers, not only on coverage.
 Rules: raw (own score); sentmax[@L] / linemax[@L] (best score of the sentence / line, spans cut at L tokens,
 default 48); sentmean@K[/L] / linemean@K[/L] (mean of the span's best K scores; K = 96 is the whole span's
-mean); lead@R (a token is worth the best of itself and the next R tokens of its sentence).
+mean); lead@R (a token is worth the best of itself and the next R tokens of its sentence); linectr@W (session 20:
+line mean of each token's score minus the mean of the W scored tokens around its line).
 """
 
 from __future__ import annotations
@@ -79,6 +80,23 @@ def lead_in(score: np.ndarray, span: np.ndarray, radius: int) -> np.ndarray:
     return out
 
 
+def local_contrast(score: np.ndarray, span: np.ndarray, width: int) -> np.ndarray:
+    """Each scored token's score minus the mean score of the `width` scored tokens around its span (half before,
+    half after, the span itself left out): a line worth keeping stands out from the text around it, wherever
+    it sits (the scores fall ~1.5 from the prompt's first tokens to its middle)."""
+    out = score.copy()
+    scored = np.flatnonzero(np.isfinite(score))
+    values, spans_of = score[scored], span[scored]
+    total = np.concatenate([[0.0], np.cumsum(values)])
+    for s in np.unique(spans_of):
+        first, stop = np.searchsorted(spans_of, s, "left"), np.searchsorted(spans_of, s, "right")
+        before, after = max(first - width // 2, 0), min(stop + width // 2, len(values))
+        count = (first - before) + (after - stop)
+        if count:
+            out[scored[first:stop]] -= (total[first] - total[before] + total[after] - total[stop]) / count
+    return out
+
+
 def rule_priority(rule: str, score: np.ndarray, spans: dict[str, np.ndarray]) -> np.ndarray:
     name, _, arg = rule.partition("@")
     own = 1e-3 * np.where(np.isfinite(score), score, 0)
@@ -92,6 +110,8 @@ def rule_priority(rule: str, score: np.ndarray, spans: dict[str, np.ndarray]) ->
     if name == "linemean":
         top, _, length = arg.partition("/")
         return pool_mean_top(score, spans[f"line{length or 48}"], int(top)) + own
+    if name == "linectr":  # line mean of the local contrast, `width` tokens around the line
+        return pool_mean_top(local_contrast(score, spans["line48"], int(arg)), spans["line48"], 10**6) + own
     if name == "lead":  # lead-in within sentences of <= 48 tokens
         return lead_in(score, spans["sent48"], int(arg)) + own
     raise ValueError(rule)

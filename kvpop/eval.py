@@ -192,7 +192,8 @@ def merge_sweeps(sweep_dirs: list[Path], out_dir: Path) -> list[dict]:
 
 
 def _summary_row(report: dict, policy: str, ratio: float) -> dict:
-    keys = ("accuracy", "compression_achieved", "mean_budget", "max_peak_kv_bytes", "generated_tokens_per_s", "tasks", "seconds")
+    keys = ("accuracy", "compression_achieved", "mean_budget", "max_peak_kv_bytes", "generated_tokens_per_s", "tasks", "seconds",
+            "prefilled_whole")
     # One character per task, in task order, so any two rows can be compared task by task.
     correct = "".join("1" if row["correct"] else "0" for row in report["rows"])
     return {"policy": policy, "compression": ratio, **{key: report[key] for key in keys}, "correct_by_task": correct}

@@ -412,7 +412,7 @@ class Engine:
         if cache.compression is not None:
             raise ValueError("a warm prefix needs a fixed budget: a compression ratio's budget depends on each request")
         budget = cache.resolve_budget(len(prompt_ids), 0)
-        if self.whole_prompt_tokens and self.prefills_whole(cache.build_policy(self.learned_scorers), budget, len(prompt_ids)):
+        if self.prefills_whole(cache.build_policy(self.learned_scorers), budget, len(prompt_ids)):
             return 0  # a cold prefill would take prefix and rest as one chunk: no state to start it from
         chunk = self._evicting_chunk(budget)
         keep = len(prompt_ids) if budget is None else len(prompt_ids) // chunk * chunk

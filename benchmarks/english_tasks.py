@@ -10,7 +10,8 @@ never share a haystack paragraph; entity names, keys and values are drawn from p
 generators and pools split the same way, so no two splits share a task. The scorer is never trained
 on these families or this haystack (its training texts: kvpop_train/scorer/english_texts.py).
 
-Families (the needle sentences go at seeded depths between haystack paragraphs):
+Families (the needle sentences go at seeded depths between haystack paragraphs; where one of several facts
+is asked, the facts go in a shuffled order, so the asked one is at any rank among them):
   passkey     one pass key; "What is the pass key?"
   multikey    6 keys with a magic number each (5 distractors); asks for one key's number
   multivalue  4 numbers for one key among 3 distractor keys; the answer must contain all 4
@@ -120,6 +121,17 @@ def _number(rng: random.Random) -> str:
 
 
 def make_needles(family: str, split: str, rng: random.Random) -> Needles:
+    """The needle sentences of one task, in the order they go into the haystack. Where a question asks for
+    one of several facts (multikey, multivalue, qa), the facts are shuffled, so the one asked is at any rank
+    among them (RULER queries a random key): were it always first, a cache that keeps early lines would
+    answer without knowing the question. A chain (vartrack) keeps its order."""
+    needles = _needles_in_question_order(family, split, rng)
+    if family in ("multikey", "multivalue", "qa"):
+        rng.shuffle(needles.sentences)
+    return needles
+
+
+def _needles_in_question_order(family: str, split: str, rng: random.Random) -> Needles:
     if family == "passkey":
         key = _number(rng)
         return Needles([f"The pass key is {key}. Remember it. {key} is the pass key."],
@@ -175,7 +187,7 @@ def generate_task(
         used += cost
         if budget - used < 24:
             break
-    # Needles at seeded depths, in their own order (a chain's assignments stay in sequence).
+    # Needles at seeded depths, in make_needles' order (a chain's assignments stay in sequence).
     depths = sorted(rng.randrange(len(paragraphs) + 1) for _ in needles.sentences)
     for offset, (depth, sentence) in enumerate(zip(depths, needles.sentences)):
         paragraphs.insert(depth + offset, sentence)

@@ -20,6 +20,9 @@ def test_prompt_is_cut_after_line_breaks_and_at_the_longest_span():
     #   ids:  1 7 | 2 2 2 | 2 2 7 | 3
     assert spans.span.tolist() == [0, 0, 1, 1, 1, 2, 2, 2, 3]
     assert spans.prompt_length == 9 and spans.line_start.tolist() == [0, 2, 5, 8, 9]
+    # empty lines, and a line cut twice: 7 | 7 | 2 2 2 | 2 2 2 | 2 7
+    assert TextSpans.of_prompt([7, 7, 2, 2, 2, 2, 2, 2, 2, 7], breaks, max_span=3).span.tolist() == [0, 1, 2, 2, 2, 3, 3, 3, 4, 4]
+    assert TextSpans.of_prompt([], breaks).line_start.tolist() == [0]
 
 
 def test_a_line_is_ranked_by_the_mean_of_every_token_scored_so_far():
@@ -35,6 +38,8 @@ def test_a_line_is_ranked_by_the_mean_of_every_token_scored_so_far():
     assert got[0, 4:].tolist() == [10, 10, 10]  # not scored yet, generated, empty slot: unchanged
     # Evicting tokens changes nothing: the sums are over every scored token, not the held ones.
     assert spans.priority(positions[:, :1], current[:, :1])[0, 0] == got[0, 0]
+    spans.add_scores(np.array([4]), np.array([3.0], np.float32))  # new scores move the line's priority at once
+    assert spans.priority(positions, current)[0, 3] == pytest.approx(1.0 + OWN_SHARE * (-1.0 - 1.0))
 
 
 def test_line_contrast_ranks_a_line_by_how_far_it_stands_out_from_the_lines_around_it():

@@ -22,7 +22,7 @@ warm prefix), keep the priority they had.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -57,19 +57,16 @@ class TextSpans:
     line_start: np.ndarray  # (S + 1,) int64: each line's first position, then P
     own: np.ndarray  # (P,) float32: each position's own score once scored, NaN before
     contrast_width: int = 0  # 0: rank a line by its mean; else by its contrast with this many positions around
+    _ranking: "tuple[np.ndarray, np.ndarray] | None" = field(default=None, init=False, repr=False)  # float32 line_values
 
     @classmethod
     def of_prompt(cls, prompt_ids: "list[int] | np.ndarray", line_breaks: np.ndarray, pooling: str = "line",
                   max_span: int = MAX_SPAN) -> "TextSpans":
         check_span_pooling(pooling, shared_ranking=True)
         ends = line_breaks[np.asarray(prompt_ids, np.int64)]  # (P,) the line ends after this token
-        span = np.zeros(len(ends), np.int64)
-        current, length = 0, 0
-        for position, end in enumerate(ends):
-            span[position] = current
-            length += 1
-            if end or length == max_span:
-                current, length = current + 1, 0
+        text_line = np.concatenate([[0], np.cumsum(ends[:-1], dtype=np.int64)]) if len(ends) else ends.astype(np.int64)
+        offset = np.arange(len(ends)) - np.searchsorted(text_line, text_line)  # (P,) place in its text line
+        span = np.cumsum(offset % max_span == 0) - 1  # (P,) a span starts each text line and every max_span tokens of it
         lines = int(span[-1]) + 1 if len(span) else 0
         line_start = np.searchsorted(span, np.arange(lines + 1))  # (lines + 1,) each line's first position, then P
         return cls(span, line_start, np.full(len(ends), np.nan, np.float32),
@@ -85,6 +82,8 @@ class TextSpans:
         positions, scores = positions[inside], scores[inside]
         fresh = np.isnan(self.own[positions])
         self.own[positions[fresh]] = scores[fresh]
+        if fresh.any():
+            self._ranking = None
 
     def line_values(self) -> tuple[np.ndarray, np.ndarray]:
         """(S,) each line's mean score so far, and (S,) the value it is ranked by."""
@@ -110,6 +109,8 @@ class TextSpans:
         index = np.where(inside, positions, 0)
         own = self.own[index]
         line = self.span[index]
-        mean, value = (values.astype(np.float32) for values in self.line_values())
+        if self._ranking is None:  # once per append: an append ranks its leaving tokens and the held ones
+            self._ranking = tuple(values.astype(np.float32) for values in self.line_values())
+        mean, value = self._ranking
         pooled = value[line] + np.float32(OWN_SHARE) * (own - mean[line])
         return np.where(inside & ~np.isnan(own), pooled, current).astype(np.float32)

@@ -15,7 +15,8 @@ all needle lines are kept whole; `replay` greedily answers on the full-context c
 Rules: raw (own score); sentmax[@L] / linemax[@L] (best score of the sentence / line, spans cut at L tokens,
 default 48); sentmean@K[/L] / linemean@K[/L] (mean of the span's best K scores; K = 96 is the whole span's
 mean); lead@R (a token is worth the best of itself and the next R tokens of its sentence); linectr@W (session 20:
-line mean of each token's score minus the mean of the W scored tokens around its line).
+line mean of each token's score minus the mean of the W scored tokens around its line); full (replay only: the
+whole prompt's cache, the ceiling). `replay --families multikey` replays one family.
 """
 
 from __future__ import annotations
@@ -190,8 +191,10 @@ def replay(args) -> None:
     rules = args.rules.split(",")
     is_correct = answer_scorer("contains")
     count = min(len(data["answers"]), args.limit or 10**9)
+    families_wanted = set(args.families.split(",")) if args.families else set(data["families"])
+    numbers = [number for number in range(count) if data["families"][number] in families_wanted]
     right = {(rule, ratio): [] for rule in rules for ratio in args.compressions}
-    for number in range(count):
+    for number in numbers:
         ids, prompt, score, spans, candidates = task_views(tokenizer, data, number)
         with torch.no_grad():
             cache = model(torch.tensor([ids[:-1]]), use_cache=True).past_key_values
@@ -199,13 +202,16 @@ def replay(args) -> None:
         for ratio in args.compressions:
             budget = math.ceil((1 - ratio) * (len(ids) + MAX_TOKENS))
             for rule in rules:
-                kept = torch.tensor(sorted(kept_set(rule_priority(rule, score, spans), candidates, budget - SINKS - WINDOW, prompt)))
+                if rule == "full":  # the ceiling: the whole prompt's cache
+                    kept = torch.arange(prompt)
+                else:
+                    kept = torch.tensor(sorted(kept_set(rule_priority(rule, score, spans), candidates, budget - SINKS - WINDOW, prompt)))
                 for layer, (keys, values) in zip(cache.layers, full):
                     layer.keys, layer.values = keys[:, :, kept], values[:, :, kept]
                 text = greedy_answer(model, tokenizer, cache, ids, MAX_TOKENS)
                 right[(rule, ratio)].append(int(is_correct(text, str(data["answers"][number]))))
         print(f"[{number + 1}/{count}]", " ".join(f"{r}@{c}={right[(r, c)][-1]}" for r in rules for c in args.compressions), flush=True)
-    families = data["families"][:count]
+    families = data["families"][numbers]
     summary = {}
     for (rule, ratio), values in right.items():
         values = np.array(values)
@@ -226,6 +232,7 @@ def main() -> None:
     parser.add_argument("--rules", default="raw,sentmax,lead@4,lead@8,lead@16,sentmean@3")
     parser.add_argument("--compressions", type=lambda text: [float(x) for x in text.split(",")], default=[0.75, 0.88, 0.94])
     parser.add_argument("--limit", type=int, default=0)
+    parser.add_argument("--families", default="", help="replay only these task families (comma list)")
     args = parser.parse_args()
     {"scores": compute_scores, "cover": cover, "replay": replay}[args.command](args)
 

@@ -321,8 +321,21 @@ class Engine:
 
     @property
     def kv_bytes_in_use(self) -> int:
-        """Key/value bytes of the running sequences (the batch pool plus caches being prefilled)."""
-        return self.cache_manager.kv_bytes_in_use
+        """Key/value bytes of the running sequences: the batch pool, caches being prefilled, and the
+        chunks they are prefilling (a whole prompt while it is computed in pieces)."""
+        staged = sum(sequence.staged.key.nbytes + sequence.staged.value.nbytes
+                     for sequence in self._prefilling.values() if sequence.staged is not None)
+        return self.cache_manager.kv_bytes_in_use + staged
+
+    def prefill_slots(self, request: GenerationRequest) -> int:
+        """Slots per head a request's prefill holds beyond its cache until its first token: its whole
+        prompt when its bounded cache prefills it whole (`whole_prompt_tokens`), else 0 (a staged chunk
+        of at most `prefill_chunk` tokens is the pool's headroom). Admission reserves it meanwhile."""
+        prompt = len(request.prompt_ids)
+        budget = request.cache.resolve_budget(prompt, request.sampling.max_tokens)
+        if budget is None or not 0 < prompt <= self.whole_prompt_tokens:
+            return 0
+        return prompt if self.prefills_whole(request.cache.build_policy(self.learned_scorers), budget, prompt) else 0
 
     @property
     def sessions(self) -> SessionStore | None:

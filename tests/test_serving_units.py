@@ -65,6 +65,19 @@ def test_admission_respects_what_the_engine_really_holds():
     assert pool.try_admit(request("streaming", 256, request_id="b")).slots == 256
 
 
+def test_a_whole_prompt_prefill_is_reserved_until_its_first_token():
+    pool = admission(slots=2048)
+    alone = pool.try_admit(request("kvpop", 128, prompt=900, request_id="a"), prefill_slots=900)
+    assert alone.slots == 128 and pool.reserved_bytes == (128 + 900) * 512  # alone: admitted, its prompt counted
+    # A second long prompt prefilling at the same time would not fit beside it, at any budget: it waits.
+    assert pool.try_admit(request("kvpop", 128, prompt=900, request_id="b"), prefill_slots=900) is None
+    pool.prefill_done("a")  # a's first token: only its budget is held now
+    assert pool.reserved_bytes == 128 * 512
+    assert pool.try_admit(request("kvpop", 128, prompt=900, request_id="b"), prefill_slots=900).slots == 128
+    pool.release("b")  # finished or failed before its first token: the prompt's reservation goes too
+    assert pool.reserved_bytes == 128 * 512
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tiny_hf_model_dir):
     return AutoTokenizer.from_pretrained(tiny_hf_model_dir)

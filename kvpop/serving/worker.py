@@ -140,7 +140,8 @@ class EngineWorker:
             )
         pending = _Pending(parsed, channel)
         with self._condition:
-            admission = None if self._queue else self.admission.try_admit(parsed.generation)
+            prefill_slots = self.engine.prefill_slots(parsed.generation)
+            admission = None if self._queue else self.admission.try_admit(parsed.generation, prefill_slots)
             if admission is not None:
                 self._ready.append(self._activate(pending, admission))
             elif len(self._queue) >= self.admission.policy.max_queue_size:
@@ -195,7 +196,7 @@ class EngineWorker:
                     self.engine.cancel(event.request_id)
                     self._finish_with_error(event.request_id, f"internal error: {error}", "internal")
         cache_manager = self.engine.cache_manager
-        in_use = cache_manager.kv_bytes_in_use + cache_manager.hot_session_bytes  # the hot session tier lives in the KV pool
+        in_use = self.engine.kv_bytes_in_use + cache_manager.hot_session_bytes  # the hot session tier lives in the KV pool
         if cache_manager.sessions is not None:
             self.metrics.observe_sessions(cache_manager.sessions)
         with self._condition:
@@ -248,7 +249,7 @@ class EngineWorker:
                 except Exception:  # the client is gone
                     pass
                 continue
-            admission = self.admission.try_admit(pending.parsed.generation)
+            admission = self.admission.try_admit(pending.parsed.generation, self.engine.prefill_slots(pending.parsed.generation))
             if admission is None:
                 break
             self._queue.popleft()
@@ -302,6 +303,8 @@ class EngineWorker:
             if active.first_token_at is None:
                 active.first_token_at = now
                 self.metrics.observe_first_token(now - active.pending.arrived)
+                with self._condition:
+                    self.admission.prefill_done(event.request_id)
         if not event.finished:
             if parsed.stream:
                 tensors = output_tensors(delta, [event.token_id], None, len(parsed.generation.prompt_ids),

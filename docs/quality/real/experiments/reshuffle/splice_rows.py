@@ -3,7 +3,7 @@
     python docs/quality/real/experiments/reshuffle/splice_rows.py --old-dir docs/quality/real/2048 \
         --old-tasks build/real-tasks/test-2048-pk12.v1.jsonl --new-tasks build/real-tasks/test-2048-pk12.jsonl \
         --runs build/exp-eval/reshuffle/test-2048-mk6 --kvpress build/exp-eval/reshuffle/kvpress-2048-mk6.json \
-        [--whole DIR ...] --out-dir docs/quality/real/2048
+        [--whole DIR ...] [--drop kvpop:mlp] --out-dir docs/quality/real/2048
 
 Until session 21 the generator put the asked fact first among a multikey task's six (benchmarks/english_tasks.py
 now shuffles them). The pass-key tasks of the test files are byte-identical before and after (test_english_tasks
@@ -56,6 +56,7 @@ def main() -> None:
     parser.add_argument("--runs", type=Path, nargs="+", required=True, help="sweeps of the changed tasks alone")
     parser.add_argument("--kvpress", type=Path, help="kvpress_compare run on the changed tasks alone")
     parser.add_argument("--whole", type=Path, nargs="*", default=[], help="sweeps (--skip-full) of the whole new file")
+    parser.add_argument("--drop", default="", help="policies not rerun on the changed tasks: left out of the new table")
     parser.add_argument("--out-dir", type=Path, required=True)
     args = parser.parse_args()
 
@@ -79,7 +80,8 @@ def main() -> None:
         assert run["tasks_sha256"] == new_sha, f"{folder} was not run on {args.new_tasks}"
         whole_rows.update({(row["policy"], row["compression"]): row for row in run["results"]})
 
-    engine_rows = [row for row in sweep["results"] if not row["policy"].startswith("kvpress:")]
+    dropped = [policy for policy in args.drop.split(",") if policy]
+    engine_rows = [row for row in sweep["results"] if not row["policy"].startswith("kvpress:") and row["policy"] not in dropped]
     full = spliced_row(next(row for row in engine_rows if row["policy"] == "full"), new_rows[("full", 0.0)], changed, count, old_sha)
     summary, missing = [full], []
     for row in engine_rows:
@@ -98,7 +100,8 @@ def main() -> None:
         raise SystemExit(f"no run of the changed tasks for {missing}")
     header = {"tasks": count, "scoring": sweep["scoring"], "tasks_file": str(args.new_tasks), "tasks_sha256": new_sha,
               "spliced_from": {"sweep": str(args.old_dir), "tasks_sha256": old_sha, "changed_tasks": changed,
-                               "changed_runs": [str(folder) for folder in args.runs], "whole_runs": [str(f) for f in args.whole]}}
+                               "changed_runs": [str(folder) for folder in args.runs], "whole_runs": [str(f) for f in args.whole],
+                               "dropped_policies": dropped}}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "sweep.json").write_text(json.dumps({**header, "results": summary}, indent=2) + "\n")
     compressions = tuple(sorted({row["compression"] for row in summary}))

@@ -16,7 +16,9 @@ Rules: raw (own score); sentmax[@L] / linemax[@L] (best score of the sentence / 
 default 48); sentmean@K[/L] / linemean@K[/L] (mean of the span's best K scores; K = 96 is the whole span's
 mean); lead@R (a token is worth the best of itself and the next R tokens of its sentence); linectr@W (session 20:
 line mean of each token's score minus the mean of the W scored tokens around its line); full (replay only: the
-whole prompt's cache, the ceiling). `replay --families multikey` replays one family.
+whole prompt's cache, the ceiling); needles (cover only: every needle line ranked first, the ceiling of a kept set
+chosen before the question); linectrj@W (blank lines joined to the line before them); linectrk@W/K (session 21:
+the line's contrast shrunk toward its surroundings by K pseudo-tokens). `replay --families multikey` replays one family.
 """
 
 from __future__ import annotations
@@ -43,10 +45,14 @@ SCORER = "scorers/smollm2-135m-instruct/scorer_mlstm.pt"
 SINKS, WINDOW, MAX_TOKENS = 4, 64, 32
 
 
-def span_ids(pieces: list[str], sentences: bool, max_span: int) -> np.ndarray:
-    """(S,) span index of each token: a span ends after a newline, (sentences) a . ? ! end, or max_span tokens."""
+def span_ids(pieces: list[str], sentences: bool, max_span: int, join_blank: bool = False) -> np.ndarray:
+    """(S,) span index of each token: a span ends after a newline, (sentences) a . ? ! end, or max_span tokens.
+    `join_blank`: a whitespace-only token that would start a span (a blank line) joins the span before it."""
     spans, span, length = [], 0, 0
     for text in pieces:
+        if join_blank and length == 0 and spans and not text.strip():
+            spans.append(span - 1)
+            continue
         spans.append(span)
         length += 1
         if "\n" in text or (sentences and text.rstrip().endswith((".", "?", "!"))) or length == max_span:
@@ -78,6 +84,19 @@ def lead_in(score: np.ndarray, span: np.ndarray, radius: int) -> np.ndarray:
         ahead = np.full_like(score, -np.inf)
         ahead[:-shift] = np.where(span[shift:] == span[:-shift], score[shift:], -np.inf)
         out = np.maximum(out, ahead)
+    return out
+
+
+def shrunk_contrast(score: np.ndarray, span: np.ndarray, width: int, prior: float) -> np.ndarray:
+    """linectr with the line's mean shrunk toward its surroundings by `prior` pseudo-tokens: a one-token
+    line's mean is one noisy score, a 22-token line's is not."""
+    contrast = local_contrast(score, span, width)
+    out = score.copy()
+    finite = np.isfinite(score)
+    for s in np.unique(span[finite]):
+        members = (span == s) & finite
+        count = members.sum()
+        out[members] = contrast[members].mean() * count / (count + prior)
     return out
 
 
@@ -113,6 +132,11 @@ def rule_priority(rule: str, score: np.ndarray, spans: dict[str, np.ndarray]) ->
         return pool_mean_top(score, spans[f"line{length or 48}"], int(top)) + own
     if name == "linectr":  # line mean of the local contrast, `width` tokens around the line
         return pool_mean_top(local_contrast(score, spans["line48"], int(arg)), spans["line48"], 10**6) + own
+    if name == "linectrj":  # linectr with blank lines joined to the line before them
+        return pool_mean_top(local_contrast(score, spans["line48j"], int(arg)), spans["line48j"], 10**6) + own
+    if name == "linectrk":  # linectr@W/K: the line's contrast shrunk by K pseudo-tokens toward its surroundings
+        width, _, prior = arg.partition("/")
+        return shrunk_contrast(score, spans["line48"], int(width), float(prior)) + own
     if name == "lead":  # lead-in within sentences of <= 48 tokens
         return lead_in(score, spans["sent48"], int(arg)) + own
     raise ValueError(rule)
@@ -155,6 +179,7 @@ def task_views(tokenizer, data, number: int):
     score[SINKS: len(raw)] = raw[SINKS:]  # only tokens that left the window have a score
     pieces = [tokenizer.decode([token]) for token in ids[:prompt]]
     spans = {f"sent{m}": span_ids(pieces, True, m) for m in (16, 24, 32, 48, 64, 96)} | {f"line{m}": span_ids(pieces, False, m) for m in (24, 32, 48, 64, 96)}
+    spans["line48j"] = span_ids(pieces, False, 48, join_blank=True)
     candidates = np.arange(SINKS, max(prompt - WINDOW, SINKS))
     return ids, prompt, score, spans, candidates
 
@@ -170,17 +195,25 @@ def cover(args) -> None:
         asked = needle_lines(tokenizer, ids, 0, containing=str(data["answers"][number]))
         digits = {p for p in asked if tokenizer.decode([ids[p]]).strip().isdigit()}
         views.append((ids, prompt, score, spans, candidates, asked, needle_lines(tokenizer, ids, 0), digits))
-    print("rule        compression  asked-line-whole  all-needles-whole  asked-digits  (of", count, "tasks)")
+    families = data["families"]
+    print("rule        compression  asked-line-whole  all-needles-whole  asked-digits  (of", count, "tasks)  asked-line-whole by family")
     for ratio in args.compressions:
         for rule in rules:
             asked_whole = all_whole = digits_kept = 0
-            for ids, prompt, score, spans, candidates, asked, every, digits in views:
+            by_family = dict.fromkeys(sorted(set(families)), 0)
+            for number, (ids, prompt, score, spans, candidates, asked, every, digits) in enumerate(views):
                 budget = math.ceil((1 - ratio) * (len(ids) + MAX_TOKENS))
-                kept = kept_set(rule_priority(rule, score, spans), candidates, budget - SINKS - WINDOW, prompt)
+                if rule == "needles":  # the question-agnostic ceiling: every needle line first (earliest first)
+                    priority = rule_priority("linectr@384", score, spans).copy()
+                    priority[sorted(every)] = np.inf
+                else:
+                    priority = rule_priority(rule, score, spans)
+                kept = kept_set(priority, candidates, budget - SINKS - WINDOW, prompt)
                 asked_whole += asked <= kept
+                by_family[families[number]] += asked <= kept
                 all_whole += every <= kept
                 digits_kept += digits <= kept
-            print(f"{rule:12s} {ratio:.2f}  {asked_whole:4d}  {all_whole:4d}  {digits_kept:4d}", flush=True)
+            print(f"{rule:12s} {ratio:.2f}  {asked_whole:4d}  {all_whole:4d}  {digits_kept:4d}  {by_family}", flush=True)
 
 
 def replay(args) -> None:

@@ -140,7 +140,9 @@ def test_tight_pool_degrades_the_budget_down_to_the_floor(kvpop_grpc):
         result = kvpop_grpc.generate(LONG_PROMPT, max_tokens=1500, eviction_policy="kvpop", kv_budget=1500)
     finally:
         stream.close()
-    assert result.kv_budget == 1024  # 2 sequences x 1024 slots fill the 2048-slot pool exactly
+    # 2 sequences x 1024 slots would fill the 2048-slot pool exactly; kvpop (a learned scorer) prefills its
+    # prompt whole and holds it beside the pool until its first token, so it gets one growth block less.
+    assert result.kv_budget == 1024 - 64
 
 
 def test_memory_stays_within_the_kv_pool_under_many_streams(kvpop_grpc, metrics):

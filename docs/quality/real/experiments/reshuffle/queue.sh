@@ -1,5 +1,11 @@
 #!/bin/bash
-# Session 21 CPU queue: validation replay on the reshuffled multikey tasks, then the test split's multikey tasks.
+# Session 21 CPU queue, first part: validation replay on the reshuffled multikey tasks, then the 2k test
+# split's multikey tasks (after span_rules.py scores on the new validation file).
+# Task files: python -m benchmarks.english_tasks write --model models/smollm2-135m-instruct --split test
+#   --context-tokens <L> --num 12 --families passkey,multikey --out build/real-tasks/test-<L>-pk12.jsonl (and
+#   --split validation --context-tokens 2048 --num 96 for val-2048-pk96.jsonl); the multi-key tasks alone:
+#   awk 'NR%2==0' test-<L>-pk12.jsonl > test-<L>-mk6.jsonl (pass keys alone, NR%2==1: test-2048-pk6.jsonl).
+#   The files before the shuffle (the old tables' tasks) were kept as build/real-tasks/*.v1.jsonl.
 cd /work/main
 R=build/exp-eval/reshuffle
 while pgrep -f "span_rules.py scores" >/dev/null; do sleep 10; done
@@ -11,15 +17,4 @@ echo "$(date +%T) 2k engine start"
 .venv/bin/python -m kvpop.eval --model model_repository/kvpop_engine/1 --tasks build/real-tasks/test-2048-mk6.jsonl --sweep \
   --scoring contains --max-tokens 32 --window 64 --policies kvpop:mlstm,streaming,kvpop:mlp,h2o,tova,random,kvpop \
   --out-dir $R/test-2048-mk6 > $R/test-2048-mk6.log 2>&1
-echo "$(date +%T) 2k kvpress start"
-until [ -f .venv-kvpress/.kvpress-setup ]; do sleep 10; done
-.venv-kvpress/bin/python -m benchmarks.kvpress_compare run --model models/smollm2-135m-instruct --tasks build/real-tasks/test-2048-mk6.jsonl \
-  --out $R/kvpress-2048-mk6.json --scoring contains --max-tokens 32 --threads 2 --variants prefill > $R/kvpress-2048-mk6.log 2>&1
-echo "$(date +%T) 4k engine start"
-.venv/bin/python -m kvpop.eval --model model_repository/kvpop_engine/1 --tasks build/real-tasks/test-4096-mk6.jsonl --sweep \
-  --scoring contains --max-tokens 32 --window 64 --policies kvpop:mlstm,streaming,kvpop:mlp,h2o,tova,random,kvpop \
-  --out-dir $R/test-4096-mk6 > $R/test-4096-mk6.log 2>&1
-echo "$(date +%T) 4k kvpress start"
-.venv-kvpress/bin/python -m benchmarks.kvpress_compare run --model models/smollm2-135m-instruct --tasks build/real-tasks/test-4096-mk6.jsonl \
-  --out $R/kvpress-4096-mk6.json --scoring contains --max-tokens 32 --threads 2 --variants prefill > $R/kvpress-4096-mk6.log 2>&1
-echo "$(date +%T) done"
+# The rest (kvpress at 2k, the 4k engine rows without the MLP, kvpress at 4k, a pass-key spot check): queue4.sh.

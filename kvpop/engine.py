@@ -333,8 +333,6 @@ class Engine:
         of at most `prefill_chunk` tokens is the pool's headroom). Admission reserves it meanwhile."""
         prompt = len(request.prompt_ids)
         budget = request.cache.resolve_budget(prompt, request.sampling.max_tokens)
-        if budget is None or not 0 < prompt <= self.whole_prompt_tokens:
-            return 0
         return prompt if self.prefills_whole(request.cache.build_policy(self.learned_scorers), budget, prompt) else 0
 
     @property

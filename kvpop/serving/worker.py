@@ -74,6 +74,7 @@ def output_tensors(
 class _Pending:
     parsed: ParsedRequest
     channel: ResponseChannel
+    prefill_slots: int = 0  # what its prefill holds beyond its cache until its first token (Engine.prefill_slots)
     arrived: float = field(default_factory=time.perf_counter)
 
 
@@ -138,10 +139,9 @@ class EngineWorker:
                 f"request needs {self.admission.slots_needed(parsed.generation)} KV slots per head, more "
                 f"than this instance's KV pool holds; lower max_tokens or choose a bounded eviction_policy"
             )
-        pending = _Pending(parsed, channel)
+        pending = _Pending(parsed, channel, self.engine.prefill_slots(parsed.generation))
         with self._condition:
-            prefill_slots = self.engine.prefill_slots(parsed.generation)
-            admission = None if self._queue else self.admission.try_admit(parsed.generation, prefill_slots)
+            admission = None if self._queue else self.admission.try_admit(parsed.generation, pending.prefill_slots)
             if admission is not None:
                 self._ready.append(self._activate(pending, admission))
             elif len(self._queue) >= self.admission.policy.max_queue_size:
@@ -249,7 +249,7 @@ class EngineWorker:
                 except Exception:  # the client is gone
                     pass
                 continue
-            admission = self.admission.try_admit(pending.parsed.generation, self.engine.prefill_slots(pending.parsed.generation))
+            admission = self.admission.try_admit(pending.parsed.generation, pending.prefill_slots)
             if admission is None:
                 break
             self._queue.popleft()

@@ -61,7 +61,8 @@ class CacheConfig:
     Give `budget` (slots per head) or `compression` (0 <= r < 1; budget = ceil((1 - r) * (prompt
     tokens + max_tokens))), not both; `full` takes neither. `sinks`, `window` and `seed` reach the
     policies that have such a field (streaming: sinks; h2o: window; random: seed; kvpop: sinks,
-    window) and are clamped so that sinks + window fit in the budget. `scorer` is the kvpop policy's
+    window) and are clamped so that sinks + window fit in the budget (kvpop's window also shrinks to a
+    quarter of a tight budget, never under 32 tokens: KVpopPolicy.protected_counts). `scorer` is the kvpop policy's
     alone: every other policy ignores it (a service passes its kvpop scorer with every request).
     """
 

@@ -167,3 +167,38 @@ def test_observe_returns_its_decision_and_leaves_the_cache_alone(name):
     assert all(values.shape == (1, 2, cache.capacity) for values in decided.cached.values())
     assert not any(np.shares_memory(values, cache.statistics[stat]) for stat, values in decided.cached.items())
     assert type(cache.policy.init_state()) is type(new_cache(name).policy_state)
+
+
+def test_kvpop_window_shrinks_to_a_quarter_of_a_tight_budget():
+    """At 94% of a 2,048-token prompt (125 slots) a 64-token window would take half the budget: kvpop
+    protects a quarter of it, never under `min_window` tokens and never more than its `window`."""
+    from kvpop.policies.kvpop import KVpopPolicy
+
+    policy = KVpopPolicy(sinks=4, window=64)
+    assert policy.protected_counts(125) == (4, 32) and policy.long_range_slots(125) == 89
+    assert policy.protected_counts(252) == (4, 63)
+    assert policy.protected_counts(1000) == (4, 64)  # a loose budget keeps the whole window
+    assert policy.protected_counts(40) == (4, 32)  # never under min_window ...
+    assert policy.protected_counts(20) == (4, 16)  # ... unless the budget cannot hold it beside the sinks
+    assert KVpopPolicy(sinks=4, window=16).protected_counts(125) == (4, 16)  # a smaller window stays
+    assert KVpopPolicy(sinks=4, window=64, window_share=1.0).protected_counts(125) == (4, 64)
+    for bad in ({"window_share": 0.0}, {"window_share": 1.5}, {"min_window": -1}):
+        with pytest.raises(ValueError, match="window_share"):
+            KVpopPolicy(**bad)
+
+
+def test_kvpop_holds_the_shrunk_window_and_fills_the_rest_by_score():
+    """A long stream at a tight budget: the last `window` tokens (the shrunk window) are always held, the
+    sinks too, and the slots beyond them go to long-range tokens."""
+    rng = np.random.default_rng(1)
+    cache = SlotCache(SPEC, make_policy("kvpop", sinks=1, window=64), budget=40)
+    sinks, window = cache.policy.protected_counts(40)
+    assert (sinks, window) == (1, 32)
+    while cache.tokens_seen < 160:
+        c = cache.capacity
+        key = np.full((1, 2, 1, 4), cache.tokens_seen, np.float32)
+        cache.append(key, key, rng.random((1, 4, 1, c), dtype=np.float32), rng.random((1, 4, 1, 1), dtype=np.float32))
+    for head in range(2):
+        held = set(cache.position[0, head, : cache.length].tolist())
+        assert len(held) == 40 and {0} | set(range(160 - window, 160)) <= held
+        assert len([p for p in held if 0 < p < 160 - window]) == 40 - sinks - window  # long-range slots

@@ -7,10 +7,16 @@ non-protected candidates by their fixed scores and keeping the top is exactly th
 every token that left during the append. The scorer is pluggable (see scorers.py). A learned scorer
 whose config says `span_pooling: line` has prompt tokens ranked by their line's mean score instead
 (text_spans.py): the whole line moves when one of its tokens is scored.
+
+At a tight budget the window shrinks to a quarter of it, never below `min_window` tokens (the question
+and the chat header at the end of a prompt): at 94% of a 2,048-token prompt the budget is 125 slots, and a
+64-token window would leave 57 long-range slots, under three needle lines of a multi-key task
+(docs/quality/real, session 22). Every step of the policy pairs leaving tokens with that window.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,11 +37,15 @@ class KVpopPolicy(EvictionPolicy):
     sinks: int = 4
     window: int = 64
     scorer: "str | TokenScorer" = "accumulated_attention"
+    window_share: float = 0.25  # the window takes at most this share of the budget ...
+    min_window: int = 32  # ... but never fewer tokens than this (nor more than `window`)
     _scorer: TokenScorer = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.sinks < 0 or self.window < 0:
             raise ValueError(f"kvpop: sinks and window must be >= 0, got sinks={self.sinks} window={self.window}")
+        if not 0.0 < self.window_share <= 1.0 or self.min_window < 0:
+            raise ValueError(f"kvpop: window_share must be in (0, 1] and min_window >= 0, got {self.window_share}, {self.min_window}")
         self._scorer = make_scorer(self.scorer)
 
     @property
@@ -45,6 +55,12 @@ class KVpopPolicy(EvictionPolicy):
     @property
     def token_scorer(self) -> TokenScorer:
         return self._scorer
+
+    def protected_counts(self, budget: int) -> tuple[int, int]:
+        """(sinks, window) under `budget`: the window is at most `window_share` of the budget, at least
+        `min_window` tokens, at most `window` (and, as for every policy, what fits beside the sinks)."""
+        sinks, window = super().protected_counts(budget)
+        return sinks, min(window, max(self.min_window, math.ceil(self.window_share * budget)))
 
     def long_range_slots(self, budget: int) -> int:
         """Slots per head kept by score: the budget beyond the sinks and the window. With none, every

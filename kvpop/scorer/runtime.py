@@ -189,7 +189,8 @@ class LearnedScorer(TokenScorer):
 
     With the attention feature, it keeps its own per-slot statistic as the traces define it: attention
     received from the queries up to w tokens later, each probability times the keys its query saw
-    (valid slots + its place in the chunk). The policy should protect the window it was trained for.
+    (valid slots + its place in the chunk). The policy protects the window it was trained for
+    (at a tight budget a smaller one, which pairs each token with an earlier state: docs/quality/real, session 22).
     """
 
     name = "learned"
@@ -206,7 +207,7 @@ class LearnedScorer(TokenScorer):
 
     @property
     def window(self) -> int:
-        """The window the scorer was trained for; the kvpop policy should protect the same."""
+        """The window the scorer was trained for; the kvpop policy protects the same (less at a tight budget)."""
         return self.runtime.spec.window
 
     def init_state(self) -> ScorerState:

@@ -153,6 +153,7 @@ def compute_scores(args) -> None:
     tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
     model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
     network = load_scorer(SCORER)
+    object.__setattr__(network.config, "window", WINDOW)  # --window: the scorer pairs each token with the state WINDOW steps later
     tasks = [json.loads(line) for line in args.tasks.read_text().splitlines()]
     out = {}
     for number, task in enumerate(tasks):
@@ -257,6 +258,7 @@ def replay(args) -> None:
 
 
 def main() -> None:
+    global WINDOW
     parser = argparse.ArgumentParser()
     parser.add_argument("command", choices=("scores", "cover", "replay"))
     parser.add_argument("--tasks", type=Path)
@@ -266,7 +268,9 @@ def main() -> None:
     parser.add_argument("--compressions", type=lambda text: [float(x) for x in text.split(",")], default=[0.75, 0.88, 0.94])
     parser.add_argument("--limit", type=int, default=0)
     parser.add_argument("--families", default="", help="replay only these task families (comma list)")
+    parser.add_argument("--window", type=int, default=WINDOW, help="protected window (and, for `scores`, the scorer's pairing)")
     args = parser.parse_args()
+    WINDOW = args.window
     {"scores": compute_scores, "cover": cover, "replay": replay}[args.command](args)
 
 

@@ -24,6 +24,7 @@ the line's contrast shrunk toward its surroundings by K pseudo-tokens). `replay 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -153,7 +154,7 @@ def compute_scores(args) -> None:
     tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
     model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
     network = load_scorer(SCORER)
-    object.__setattr__(network.config, "window", WINDOW)  # --window: the scorer pairs each token with the state WINDOW steps later
+    network.config = dataclasses.replace(network.config, window=WINDOW)  # --window: the scorer pairs each token with the state WINDOW steps later
     tasks = [json.loads(line) for line in args.tasks.read_text().splitlines()]
     out = {}
     for number, task in enumerate(tasks):

@@ -1,0 +1,340 @@
+"""Render the committed results (docs/results/*.json) into the tables of README.md and docs/*.md.
+
+A table lives between two markers, `<!-- results:NAME -->` and `<!-- /results -->`; NAME is a
+result file of docs/results/ (its table: a quality sweep or a service benchmark) or `headline`
+(README's one table of every result). The text between the markers is always rewritten, never
+edited by hand, so a number in the docs is the number in its JSON file (tests/test_docs_results.py).
+
+    python -m kvpop_eval.docs_results render            # make docs-results: rewrite the tables in place
+    python -m kvpop_eval.docs_results render --check    # exit 1 when a table differs from its file
+    python -m kvpop_eval.docs_results publish [NAME...] # make publish-results: build/results -> docs/results
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import re
+import shutil
+import sys
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO_ROOT / "docs" / "results"
+BUILD_RESULTS_DIR = REPO_ROOT / "build" / "results"
+MANIFEST = "manifest.json"
+MARKER = re.compile(r"(<!-- results:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /results -->)", re.DOTALL)
+COMPRESSIONS = (0.5, 0.75, 0.88, 0.94)
+BOOTSTRAP_RESAMPLES = 5000
+
+
+@dataclass(frozen=True)
+class ResultSpec:
+    """What one published result is: its source under build/results/, a title and the command that makes it."""
+
+    name: str
+    source: str  # path under build/results/, as the benchmark wrote it
+    title: str
+    command: str
+
+
+SPECS = {
+    spec.name: spec
+    for spec in (
+        ResultSpec("quality-real-2048", "quality-real-2048/sweep.json",
+                   "SmolLM2-135M-Instruct, 48 English tasks (test split), 2,048 tokens",
+                   "make eval-real REAL_TASK_LENGTHS=2048 REAL_TASK_NUM=48 REAL_TASK_FAMILIES=passkey,multikey"),
+        ResultSpec("quality-reference-2048", "quality-reference-2048/sweep.json",
+                   "reference model, 200 held-out tasks, 2,048 tokens",
+                   "make eval-sweep TASK_SPLIT=heldout TASK_TOKENS=2048"),
+        ResultSpec("service-reference", "service-reference/service.json",
+                   "the real server vs FastAPI + HF generate, reference model, kvpop at 88%",
+                   "make bench-service BENCH_ARGS='--workloads a c d --repetitions 1'"),
+    )
+}
+HEADLINE_POLICIES = ("kvpop:mlstm", "streaming")  # the service's default scorer and its heuristic baseline
+POLICY_ORDER = ("full", "kvpop:mlstm", "kvpop:mlp", "kvpop", "streaming", "h2o", "tova", "random")
+
+
+# -- statistics -------------------------------------------------------------------------------------
+
+def wilson_interval(correct: int, total: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion: honest at small n and near 0 or 1, unlike p +/- 2 se."""
+    if total == 0:
+        return (0.0, 0.0)
+    p = correct / total
+    centre = (p + z * z / (2 * total)) / (1 + z * z / total)
+    half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / (1 + z * z / total)
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def paired_counts(policy: str, full: str) -> tuple[int, int]:
+    """Tasks only the policy answers, and tasks only the full cache answers (correct_by_task strings)."""
+    return (sum(a == "1" and b == "0" for a, b in zip(policy, full)),
+            sum(a == "0" and b == "1" for a, b in zip(policy, full)))
+
+
+def paired_bootstrap(policy: str, full: str, seed: int = 0) -> tuple[float, float]:
+    """95% paired bootstrap interval of accuracy(policy) - accuracy(full); a fixed seed keeps it reproducible."""
+    differences = [int(a) - int(b) for a, b in zip(policy, full)]
+    n = len(differences)
+    rng = random.Random(seed)
+    means = sorted(sum(differences[i] for i in rng.choices(range(n), k=n)) / n for _ in range(BOOTSTRAP_RESAMPLES))
+    return (means[int(0.025 * BOOTSTRAP_RESAMPLES)], means[int(0.975 * BOOTSTRAP_RESAMPLES) - 1])
+
+
+# -- loading ----------------------------------------------------------------------------------------
+
+def load_manifest(results_dir: Path) -> dict:
+    path = results_dir / MANIFEST
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def load_result(results_dir: Path, name: str) -> dict | None:
+    path = results_dir / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def provenance(name: str, manifest: dict) -> str:
+    """The line under every table: the command that reproduces it and the commit it was produced at."""
+    spec = SPECS.get(name)
+    commit = manifest.get(name, {}).get("commit", "unknown")
+    command = f"`{spec.command}`" if spec else "(no command recorded)"
+    return f"Reproduce: {command}. Produced at commit `{commit[:12]}` (`docs/results/{name}.json`)."
+
+
+def missing(name: str) -> str:
+    return f"*Not published yet: `make publish-results RESULTS={name}` after the run that writes `build/results/{name}/`.*\n"
+
+
+# -- sweeps -----------------------------------------------------------------------------------------
+
+def policy_rank(policy: str) -> tuple[int, str]:
+    return (POLICY_ORDER.index(policy) if policy in POLICY_ORDER else len(POLICY_ORDER), policy)
+
+
+def full_row(sweep: dict) -> dict:
+    return next(row for row in sweep["results"] if row["policy"] == "full")
+
+
+def sweep_rows(sweep: dict) -> list[dict]:
+    """Bounded rows (compression > 0) ordered by policy then compression: the full cache's stand-ins at 0% go."""
+    rows = [row for row in sweep["results"] if row["policy"] != "full" and row["compression"] > 0]
+    return sorted(rows, key=lambda row: (policy_rank(row["policy"]), row["compression"]))
+
+
+def mib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**20:.1f} MiB"
+
+
+def accuracy_cell(row: dict, full: dict, with_interval: bool = True) -> str:
+    """accuracy, its Wilson interval, the fraction of the full cache and the paired +/- against it."""
+    tasks = row["tasks"]
+    cell = f"{row['accuracy']:.3f}"
+    if with_interval:
+        low, high = wilson_interval(round(row["accuracy"] * tasks), tasks)
+        cell += f" [{low:.2f}, {high:.2f}]"
+    if row is not full and full["accuracy"] > 0:
+        cell += f", {row['accuracy'] / full['accuracy']:.2f}x"
+        if row.get("correct_by_task") and full.get("correct_by_task"):
+            gained, lost = paired_counts(row["correct_by_task"], full["correct_by_task"])
+            cell += f", +{gained}/-{lost}"
+    return cell
+
+
+def sweep_table(name: str, sweep: dict, manifest: dict) -> str:
+    full = full_row(sweep)
+    lines = [
+        f"{sweep['tasks']} tasks, `{sweep.get('scoring', 'exact')}` scoring, tasks file `{sweep.get('tasks_file', '?')}`.",
+        "",
+        "| policy | compression | accuracy [95% Wilson] | of full | +/- vs full | paired diff. [95% bootstrap] | mean budget (slots) | peak KV / sequence |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    low, high = wilson_interval(round(full["accuracy"] * full["tasks"]), full["tasks"])
+    lines.append(f"| full | 0% | {full['accuracy']:.3f} [{low:.2f}, {high:.2f}] | 1.00 | | | "
+                 f"{full['mean_budget']:.0f} | {mib(full['max_peak_kv_bytes'])} |")
+    for row in sweep_rows(sweep):
+        low, high = wilson_interval(round(row["accuracy"] * row["tasks"]), row["tasks"])
+        fraction = row["accuracy"] / full["accuracy"] if full["accuracy"] else float("nan")
+        counts, interval = "", ""
+        if row.get("correct_by_task") and full.get("correct_by_task"):
+            gained, lost = paired_counts(row["correct_by_task"], full["correct_by_task"])
+            counts = f"+{gained}/-{lost}"
+            diff_low, diff_high = paired_bootstrap(row["correct_by_task"], full["correct_by_task"])
+            interval = f"{row['accuracy'] - full['accuracy']:+.3f} [{diff_low:+.3f}, {diff_high:+.3f}]"
+        peak = mib(row["max_peak_kv_bytes"]) if row.get("max_peak_kv_bytes") else ""
+        budget = f"{row['mean_budget']:.0f}" if row.get("mean_budget") is not None else ""
+        lines.append(f"| {row['policy']} | {row['compression']:.0%} | {row['accuracy']:.3f} [{low:.2f}, {high:.2f}] | "
+                     f"{fraction:.2f} | {counts} | {interval} | {budget} | {peak} |")
+    return "\n".join(lines) + "\n\n" + provenance(name, manifest) + "\n"
+
+
+# -- service benchmark ------------------------------------------------------------------------------
+
+def service_table(name: str, service: dict, manifest: dict) -> str:
+    lines = [
+        f"{service.get('machine', '?')}; model `{service.get('model', '?')}`; kvpop at "
+        f"{service.get('compression', 0.88):.0%} compression; {service.get('repetitions', 1)} repetition(s).",
+        "",
+        "| workload | clients | output tok/s full / kvpop / classic | kvpop vs full | kvpop vs classic "
+        "| TTFT p50 full / kvpop (ms) | latency p99 full / kvpop / classic (s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for workload in service["workloads"]:
+        for clients in workload["concurrencies"]:
+            cells = service["cells"][workload["name"]][str(clients)]
+            ratios = service["ratios"][workload["name"]][str(clients)]
+            median = {system: median_cell(cells[system]) for system in ("full", "kvpop", "classic")}
+            lines.append(
+                f"| ({workload['name']}) {workload['label']} | {clients} | "
+                f"{median['full']['output_tokens_per_s']:.1f} / {median['kvpop']['output_tokens_per_s']:.1f} / "
+                f"{median['classic']['output_tokens_per_s']:.1f} | {ratios['kvpop_over_full_tps']:.2f}x | "
+                f"{ratios['kvpop_over_classic_tps']:.2f}x | {median['full']['ttft_p50_ms']:.0f} / "
+                f"{median['kvpop']['ttft_p50_ms']:.0f} | {median['full']['latency_p99_ms'] / 1000:.1f} / "
+                f"{median['kvpop']['latency_p99_ms'] / 1000:.1f} / {median['classic']['latency_p99_ms'] / 1000:.1f} |")
+    return "\n".join(lines) + "\n\n" + provenance(name, manifest) + "\n"
+
+
+def median_cell(repetitions: list[dict]) -> dict:
+    """The repetition with the median output rate stands for the cell (one repetition: itself)."""
+    return sorted(repetitions, key=lambda cell: cell["output_tokens_per_s"])[len(repetitions) // 2]
+
+
+def ratio_range(service: dict, workload: str, key: str) -> str:
+    values = [ratios[key] for ratios in service["ratios"][workload].values()]
+    low, high = min(values), max(values)
+    return f"{low:.2f}x" if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f}-{high:.2f}x"
+
+
+# -- the README's headline --------------------------------------------------------------------------
+
+def headline_table(results: dict[str, dict | None], manifest: dict) -> str:
+    """One table: quality and KV memory per sequence at 50/75/88/94%, service speed, each with its command."""
+    header = ["| result | full cache | 50% | 75% | 88% | 94% | reproduce |", "|---|---|---|---|---|---|---|"]
+    lines = list(header)
+    for name in ("quality-real-2048", "quality-reference-2048"):
+        sweep = results.get(name)
+        if sweep is None:
+            lines.append(f"| {SPECS[name].title}: not published yet | | | | | | `{SPECS[name].command}` |")
+            continue
+        full = full_row(sweep)
+        by_policy: dict[str, dict[float, dict]] = {}
+        for row in sweep_rows(sweep):
+            by_policy.setdefault(row["policy"], {})[row["compression"]] = row
+        for policy in [policy for policy in HEADLINE_POLICIES if policy in by_policy]:
+            cells = [accuracy_cell(by_policy[policy][c], full) if c in by_policy[policy] else "" for c in COMPRESSIONS]
+            lines.append(f"| {SPECS[name].title}: accuracy of `{policy}` | {accuracy_cell(full, full)} | "
+                         + " | ".join(cells) + f" | `{SPECS[name].command}` |")
+        kvpop = by_policy.get(HEADLINE_POLICIES[0], {})
+        memory = [mib(kvpop[c]["max_peak_kv_bytes"]) if c in kvpop else "" for c in COMPRESSIONS]
+        lines.append(f"| {SPECS[name].title}: KV memory per sequence (peak) | {mib(full['max_peak_kv_bytes'])} | "
+                     + " | ".join(memory) + f" | `{SPECS[name].command}` |")
+    service = results.get("service-reference")
+    spec = SPECS["service-reference"]
+    if service is None:
+        lines.append(f"| {spec.title}: not published yet | | | | | | `{spec.command}` |")
+    else:
+        for key, against in (("kvpop_over_full_tps", "full cache"), ("kvpop_over_classic_tps", "classic design")):
+            speed = "; ".join(f"({w['name']}) {ratio_range(service, w['name'], key)}" for w in service["workloads"])
+            lines.append(f"| service output tokens/s, kvpop at 88% vs the {against} (reference model) | | | | "
+                         f"{speed} | | `{spec.command}` |")
+    commits = sorted({manifest.get(name, {}).get("commit", "unknown")[:12] for name in SPECS if results.get(name)})
+    legend = ("Cells: accuracy [95% Wilson interval], fraction of the full cache's accuracy, tasks only this "
+              "policy / only the full cache answers. Service workloads: (a) 2,048-token prompts, (c) many users in a "
+              "KV pool of 4 full sequences, (d) short chat prompts; ranges over 1-8 clients. "
+              f"Produced at commit {', '.join(f'`{c}`' for c in commits) or '(none yet)'}; "
+              "tables with every row: [docs/QUALITY.md](docs/QUALITY.md), [docs/PERFORMANCE.md](docs/PERFORMANCE.md).")
+    return "\n".join(lines) + "\n\n" + legend + "\n"
+
+
+# -- rendering --------------------------------------------------------------------------------------
+
+def render_table(name: str, results_dir: Path) -> str:
+    manifest = load_manifest(results_dir)
+    if name == "headline":
+        return headline_table({spec: load_result(results_dir, spec) for spec in SPECS}, manifest)
+    result = load_result(results_dir, name)
+    if result is None:
+        return missing(name)
+    if "cells" in result:
+        return service_table(name, result, manifest)
+    if "results" in result:
+        return sweep_table(name, result, manifest)
+    raise ValueError(f"docs/results/{name}.json is neither a quality sweep nor a service benchmark")
+
+
+def render_text(text: str, results_dir: Path) -> str:
+    """The text with every marked table re-rendered from its result file."""
+    return MARKER.sub(lambda m: m.group(1) + render_table(m.group("name"), results_dir) + m.group(4), text)
+
+
+def documents(root: Path = REPO_ROOT) -> list[Path]:
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+def render(paths: list[Path], results_dir: Path, check: bool = False) -> list[Path]:
+    """Rewrite (or with `check`, only compare) every document; returns the ones whose tables differ."""
+    stale = []
+    for path in paths:
+        text = path.read_text()
+        rendered = render_text(text, results_dir)
+        if rendered != text:
+            stale.append(path)
+            if not check:
+                path.write_text(rendered)
+    return stale
+
+
+def publish(names: list[str], source_dir: Path, results_dir: Path) -> list[str]:
+    """Copy build/results/<name>/... to docs/results/<name>.json (and its plot), recording the commit."""
+    run_manifest = json.loads((source_dir / MANIFEST).read_text()) if (source_dir / MANIFEST).exists() else {}
+    manifest = load_manifest(results_dir)
+    published = []
+    results_dir.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        source = source_dir / SPECS[name].source
+        if not source.exists():
+            print(f"{name}: {source} not found, skipped", file=sys.stderr)
+            continue
+        result = json.loads(source.read_text())
+        if result.get("complete") is False:
+            print(f"{name}: {source} is an unfinished run, skipped", file=sys.stderr)
+            continue
+        shutil.copyfile(source, results_dir / f"{name}.json")
+        plot = source.with_suffix(".png")
+        if plot.exists():
+            shutil.copyfile(plot, results_dir / f"{name}.png")
+        manifest[name] = {"commit": run_manifest.get("commit", "unknown"), "source": f"build/results/{SPECS[name].source}",
+                          "published": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ")}
+        published.append(name)
+    (results_dir / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return published
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    render_parser = commands.add_parser("render", help="re-render every marked table in README.md and docs/*.md")
+    render_parser.add_argument("--check", action="store_true", help="change nothing; exit 1 when a table is stale")
+    publish_parser = commands.add_parser("publish", help="copy finished runs from build/results into docs/results")
+    publish_parser.add_argument("names", nargs="*", help=f"results to publish, of {', '.join(SPECS)} (default: all)")
+    publish_parser.add_argument("--from", dest="source", type=Path, default=BUILD_RESULTS_DIR)
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args()
+    if args.command == "publish":
+        unknown = sorted(set(args.names) - set(SPECS))
+        if unknown:
+            parser.error(f"unknown results {unknown}; known: {', '.join(SPECS)}")
+        print("published:", ", ".join(publish(args.names or list(SPECS), args.source, args.results_dir)) or "nothing")
+    stale = render(documents(), args.results_dir, check=getattr(args, "check", False))
+    for path in stale:
+        print(f"{'stale' if getattr(args, 'check', False) else 'rendered'}: {path.relative_to(REPO_ROOT)}")
+    if stale and getattr(args, "check", False):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

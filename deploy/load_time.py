@@ -1,6 +1,6 @@
 """Model load time at server start: how long a node takes from `tritonserver` starting to serving.
 
-    python -m deploy.load_time [--exported-model DIR] [--starts 3] --out docs/deploy/load_time.json
+    python -m deploy.load_time [--exported-model DIR] [--starts 3] --out build/results/load-time/load_time.json
 
 Starts one tritonserver (CPU config, loopback ports) on the repository's models with an exported model
 several times and reports, per start, the seconds from process start to `/v2/health/ready` and each
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deploy.load_time", description=__doc__.split("\n\n")[0])
     parser.add_argument("--exported-model", type=Path)
     parser.add_argument("--starts", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "deploy" / "load_time.json")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "build" / "results" / "load-time" / "load_time.json")
     args = parser.parse_args(argv)
 
     workdir = Path(tempfile.mkdtemp(prefix="kvpop-load-time-"))

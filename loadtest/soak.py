@@ -1,6 +1,6 @@
 """Soak: mixed streaming and complete requests at saturation for a fixed time, against a real server.
 
-    python -m loadtest.soak --model-repository model_repository --minutes 10 --users 16 --out docs/reliability/soak.json
+    python -m loadtest.soak --model-repository model_repository --minutes 10 --users 16 --out build/results/soak/soak.json
 
 Starts its own tritonserver (CPU config) on free loopback ports, runs `users` closed-loop clients
 (HTTP and gRPC, complete answers and streams, every policy) until the time is up, then checks what a
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--users", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--out", type=Path, default=Path("docs/reliability/soak.json"))
+    parser.add_argument("--out", type=Path, default=Path("build/results/soak/soak.json"))
     args = parser.parse_args(argv)
     log = Path("run/soak-tritonserver.log")
     server = TritonServer(args.model_repository, free_port(), free_port(), free_port(), "127.0.0.1", "cpu", log)

@@ -1,6 +1,6 @@
 """Rehearse the node deployment on one machine: real tritonservers behind a real nginx, no Docker.
 
-    python -m deploy.nodes.rehearsal --out docs/deploy/rehearsal.json     (what `make test-cluster` checks)
+    python -m deploy.nodes.rehearsal --out build/results/cluster/rehearsal.json    (what `make test-cluster` checks)
 
 Three replicas of the repository's models (a freshly exported tiny Llama, CPU config) listen on
 loopback ports; nginx runs the production config rendered from deploy/nodes/nginx.conf.template by
@@ -416,7 +416,7 @@ def checks(report: dict) -> dict[str, bool]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deploy.nodes.rehearsal", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "deploy" / "rehearsal.json")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "build" / "results" / "cluster" / "rehearsal.json")
     parser.add_argument("--exported-model", type=Path, help="an exported model dir (default: export a tiny Llama)")
     parser.add_argument("--weights", type=int, nargs="+", default=[2, 1, 1])
     parser.add_argument("--requests", type=int, default=120)

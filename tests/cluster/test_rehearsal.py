@@ -1,6 +1,6 @@
 """The node deployment rehearsed on this machine (`make test-cluster`, not part of `make test`):
 three real tritonservers behind a real nginx running the production config, one killed with SIGKILL.
-The rehearsal program prints and saves its figures (docs/deploy/rehearsal.json); this test runs it and
+The rehearsal program prints and saves its figures (build/results/cluster/rehearsal.json); this test runs it and
 reports each of its checks."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from deploy.nodes import rehearsal
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
-OUT = Path(os.environ.get("KVPOP_REHEARSAL_OUT", rehearsal.REPO_ROOT / "docs" / "deploy" / "rehearsal.json"))
+OUT = Path(os.environ.get("KVPOP_REHEARSAL_OUT", rehearsal.REPO_ROOT / "build" / "results" / "cluster" / "rehearsal.json"))
 
 
 @pytest.fixture(scope="module")

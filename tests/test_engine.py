@@ -296,7 +296,7 @@ def test_shipped_scorers_keep_answers_at_88_percent_compression(reference_onnx_m
     split (`test`): at 88% KV compression both learned scorers stay within two tasks of the full cache,
     where sinks + recent window alone keep almost none. On 200 tasks of that split they keep 0.895
     (mlp) and 0.880 (mlstm) against the full cache's 0.905, and streaming 0.015
-    (docs/quality/dev-test-2048)."""
+    (docs/QUALITY.md, the development split)."""
     from kvpop.eval import encode, evaluate
     from kvpop.tasks import TaskConfig, generate_task
 

@@ -207,7 +207,7 @@ def test_batched_answers_are_padded_to_the_longest():
     assert merged["num_output_tokens"].tolist() == [[3], [1]]
 
 
-# The TensorRT-LLM / vLLM style inputs that benchmark tools send (docs/benchmarks/TOOLS.md).
+# The TensorRT-LLM / vLLM style inputs that benchmark tools send (docs/API.md, benchmark tools).
 def test_a_non_empty_text_input_wins_over_input_ids_and_a_blank_one_gives_way(tokenizer):
     ids = np.array([5, 6, 7, 8])
     parsed = parse(tokenizer, text_input=np.array([b"Let a = 7."], dtype=object), input_ids=ids)

@@ -1,6 +1,6 @@
 """Curriculum: stages of task distributions, advanced by measured accuracy, never by the clock.
 
-Retrieval is the skill that forms slowly (issue 3), so the first stage is dense drills of the
+Retrieval is the skill that forms slowly, so the first stage is dense drills of the
 one circuit every lookup uses (kvpop_train.reference.drills) next to short recall questions. Chains
 of facts come next at short lengths, then the benchmark lengths themselves (RoPE models do not
 extrapolate, so each length is trained before it is evaluated). Later stages keep sampling the

@@ -1,10 +1,10 @@
 """Dense warm-up drills in the task language, for the first curriculum stage only.
 
-The skill that forms slowly is the long-range copy of a fact keyed on its name (issue 3):
+The skill that forms slowly is the long-range copy of a fact keyed on its name:
 a question gives one lookup per ~10 tokens, and the model sits at chance until two
 attention layers line up (a previous-token head, then a head matching names). Drills make
 that circuit carry most of the loss, which is what made it form in about 5M tokens in
-side-by-side runs (TRAINING_NOTES.md):
+side-by-side runs (the training notes, docs/reference_model/TRAINING_NOTES.md at commit 4e61d25):
 
 - lookup drill: facts back to back, then a run of lookups drawn with replacement
   (`b 12 ; k 40 ; b 12 ; ...`), loss on every retrieved value (multi-query associative recall);

@@ -55,9 +55,9 @@ class ScorerConfig:
     # Trained on one model-wide target (train --target-scope model): every head's network estimates the same
     # importance, so serving averages a token's L * Hkv scores and every cache keeps the same tokens.
     shared_ranking: bool = False
-    # "line": serving ranks a prompt token by the mean score of its line (kvpop.policies.text_spans, session 19);
-    # "line_contrast": by that mean minus the mean score of the text around the line (session 20). Chosen on the
-    # validation split (docs/quality/real); only with the shared ranking.
+    # "line": serving ranks a prompt token by the mean score of its line (kvpop.policies.text_spans);
+    # "line_contrast": by that mean minus the mean score of the text around the line. Chosen on the
+    # validation split (docs/QUALITY.md); only with the shared ranking.
     span_pooling: str = ""
 
     def __post_init__(self) -> None:
@@ -97,7 +97,7 @@ class HeadLinear(nn.Module):
     """H independent linear maps applied as one batched matmul: (H, T, in) -> (H, T, out).
 
     A matmul over the H heads, not an einsum: onnxruntime's CPU Einsum ran "hti,hio->hto"-style
-    products as many tiny ones (4.7 of 7.6 ms for 16 SmolLM2 sequences in session 7's batch graph)."""
+    products as many tiny ones (4.7 of 7.6 ms for 16 SmolLM2 sequences in a batch graph)."""
 
     def __init__(self, heads: int, in_features: int, out_features: int) -> None:
         super().__init__()

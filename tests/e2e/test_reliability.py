@@ -1,4 +1,4 @@
-"""What issue 11 found, each against the real server: error codes on every transport, parameters
+"""Reliability promises, each against the real server: error codes on every transport, parameters
 honoured or refused, batches answered whole, cancellation only by the request's own client, the
 admin APIs behind a key, and the front end under sustained concurrent load with every policy."""
 

@@ -251,11 +251,11 @@ bench-overhead: setup  ## kvpop's own cost per token in the engine: full vs kvpo
 	@test -f $(BENCH_MODEL)/model_spec.json || $(PY) -m export --model $(BENCH_HF) --output $(BENCH_MODEL)
 	$(PY) -m benchmarks.policy_overhead --model $(BENCH_MODEL) --out-dir docs/benchmarks
 
-loadtest: setup  ## locust against a running server (make serve-bg first): USERS, DURATION, PROTOCOL=http|grpc
-	@mkdir -p loadtest/results
+loadtest: setup  ## [benchmark] locust against a running server (make serve-bg first): USERS, DURATION, PROTOCOL=http|grpc; build/results/loadtest/
+	@mkdir -p build/results/loadtest
 	KVPOP_PROTOCOL=$(PROTOCOL) KVPOP_GRPC_URL=$(HOST):$(GRPC_PORT) $(VENV)/bin/locust -f loadtest/locustfile.py \
 		--headless -u $(USERS) -r $(USERS) -t $(DURATION) --host http://$(HOST):$(HTTP_PORT) \
-		--csv loadtest/results/$(PROTOCOL) --html loadtest/results/$(PROTOCOL).html --only-summary
+		--csv build/results/loadtest/$(PROTOCOL) --html build/results/loadtest/$(PROTOCOL).html --only-summary
 
 # Deployment (deploy/, README "Deploying"). Images need a Docker engine; the rest runs here.
 IMAGE ?= kvpop-serve:24.10-1

@@ -1,6 +1,6 @@
 """Locust load run against kvpop_service over HTTP (default) or gRPC.
 
-    make loadtest                       # headless, writes loadtest/results/ (CSV + HTML report)
+    make loadtest                       # headless, writes build/results/loadtest/ (CSV + HTML report)
     .venv/bin/locust -f loadtest/locustfile.py --host http://127.0.0.1:8000          # web UI
 
 Environment: KVPOP_PROTOCOL=http|grpc, KVPOP_GRPC_URL (default 127.0.0.1:8001), KVPOP_MAX_TOKENS,

@@ -49,7 +49,7 @@ SPECS = {
                    "make eval-real REAL_TASK_LENGTHS=2048 REAL_TASK_NUM=48 REAL_TASK_FAMILIES=passkey,multikey"),
         ResultSpec("quality-reference-2048", "quality-reference-2048/sweep.json",
                    "reference model, 200 held-out tasks, 2,048 tokens",
-                   "make eval-sweep TASK_SPLIT=heldout TASK_TOKENS=2048"),
+                   "make eval-sweep EVAL_MODEL=build/bench/reference TASK_SPLIT=heldout TASK_TOKENS=2048"),
         ResultSpec("service-reference", "service-reference/service.json",
                    "the real server vs FastAPI + HF generate, reference model, kvpop at 88%",
                    "make bench-service BENCH_ARGS='--workloads a c d --repetitions 1'"),

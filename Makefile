@@ -12,6 +12,7 @@ GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 ADDRESS ?= 127.0.0.1# containers bind 0.0.0.0 (deploy/); the development default stays on loopback
 HEALTH_PORT ?= 8003
+OPENAI_PORT ?= 9000# the OpenAI-compatible API (/v1); 0: not started
 CONFIG ?= auto
 PID_FILE := run/tritonserver.pid
 
@@ -69,13 +70,13 @@ $(REAL_MODEL_STAMP): requirements/real-model.txt | $(SETUP_STAMP)
 export: setup $(if $(MODEL),,model)  ## export MODEL=<hf dir> (default: SmolLM2-135M-Instruct; MODEL=models/reference; DTYPE=float16 for GPUs) into model_repository/
 	$(PY) -m export --model $(or $(MODEL),$(REAL_MODEL)) --dtype $(DTYPE)
 
-serve: setup  ## run tritonserver in the foreground (HTTP 8000, gRPC 8001, metrics 8002; Ctrl-C stops)
+serve: setup  ## run tritonserver in the foreground (HTTP 8000, gRPC 8001, metrics 8002, OpenAI API 9000; Ctrl-C stops)
 	$(PY) -m kvpop.serving.launcher --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
-		--metrics-port $(METRICS_PORT) --health-port $(HEALTH_PORT) --address $(ADDRESS) --model-config-name $(CONFIG)
+		--metrics-port $(METRICS_PORT) --health-port $(HEALTH_PORT) --openai-port $(OPENAI_PORT) --address $(ADDRESS) --model-config-name $(CONFIG)
 
 serve-bg: setup  ## run tritonserver in the background (log in run/tritonserver.log); `make stop` stops it
 	$(PY) -m kvpop.serving.launcher --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
-		--metrics-port $(METRICS_PORT) --health-port $(HEALTH_PORT) --address $(ADDRESS) --model-config-name $(CONFIG) \
+		--metrics-port $(METRICS_PORT) --health-port $(HEALTH_PORT) --openai-port $(OPENAI_PORT) --address $(ADDRESS) --model-config-name $(CONFIG) \
 		--pid-file $(PID_FILE) --log-file run/tritonserver.log
 
 stop:  ## stop a server started with `make serve-bg` (drains: running requests get the grace period)

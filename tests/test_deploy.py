@@ -139,6 +139,20 @@ def test_kubernetes_pod_takes_two_gpus_and_probes_the_launcher_health_port():
     assert env["KVPOP_ADMIN_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "kvpop-admin"
 
 
+def test_kubernetes_pod_runs_the_openai_api_beside_triton_and_routes_v1_to_it():
+    documents = kubernetes_documents()
+    triton, api = documents["Deployment/kvpop-serve"]["spec"]["template"]["spec"]["containers"]
+    assert triton["args"][-2:] == ["--openai-port", "0"]  # not also inside the Triton container
+    assert api["command"][:3] == ["python3", "-m", "kvpop.openai_api"]
+    assert api["command"][api["command"].index("--triton-grpc") + 1] == "127.0.0.1:8001"
+    assert {port["name"]: port["containerPort"] for port in api["ports"]} == {"openai": 9000}
+    assert api["readinessProbe"]["httpGet"] == {"path": "/health", "port": "openai"}
+    service_ports = {port["name"]: port["targetPort"] for port in documents["Service/kvpop-serve"]["spec"]["ports"]}
+    assert service_ports["openai"] == "openai"
+    http = documents["Ingress/kvpop-serve-http"]["spec"]["rules"][0]["http"]["paths"]
+    assert {path["path"]: path["backend"]["service"]["port"]["name"] for path in http} == {"/v2": "http", "/v1": "openai"}
+
+
 def test_autoscaler_budget_and_routing_point_at_the_deployment():
     documents = kubernetes_documents()
     hpa = documents["HorizontalPodAutoscaler/kvpop-serve"]["spec"]
@@ -193,10 +207,13 @@ def test_nginx_config_renders_every_node_with_its_weight(tmp_path):
     nodes = lb.read_nodes(DEPLOY / "nodes" / "nodes.example.txt")
     for node in nodes:
         assert f"server {node.http} weight={node.weight} " in text and f"server {node.grpc} weight={node.weight} " in text
-    assert text.count("hash $http_x_session_id consistent;") == 2
+        openai_address = node.http.rsplit(":", 1)[0] + ":9000"  # each node's OpenAI-compatible API
+        assert f"server {openai_address} weight={node.weight} " in text
+    assert text.count("hash $http_x_session_id consistent;") == 3  # HTTP, OpenAI and gRPC upstreams
+    assert "location /v1/ {" in text and "proxy_pass http://kvpop_openai;" in text
     assert "@" not in re.sub(r"#.*", "", text)  # no placeholder left
     down = lb.render(nodes, lb.RenderOptions(), frozenset({"worker1"}))
-    assert down.count(" down;  # worker1") == 2
+    assert down.count(" down;  # worker1") == 3
 
 
 @pytest.mark.skipif(shutil.which("nginx") is None, reason="nginx not installed (make system-deps)")

@@ -35,7 +35,7 @@ OPTIONAL_INPUTS: dict[str, tuple[str, Any]] = {
     "temperature": ("FP32", np.float32),
     "top_p": ("FP32", np.float32),
     "top_k": ("INT32", np.int32),
-    "seed": ("INT64", np.int64),
+    "seed": ("UINT64", np.uint64),
     "stream": ("BOOL", np.bool_),
     "ignore_eos": ("BOOL", np.bool_),
     "eviction_policy": ("BYTES", np.object_),

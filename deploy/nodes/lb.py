@@ -31,6 +31,7 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 TEMPLATE = Path(__file__).resolve().parent / "nginx.conf.template"
 
@@ -54,6 +55,7 @@ class RenderOptions:
     worker_processes: str = "auto"
     max_fails: int = 1
     fail_timeout_s: int = 10
+    openai_port: int = 9000  # each node's OpenAI-compatible API: the node's HTTP host, this port
 
 
 def read_nodes(path: Path) -> list[Node]:
@@ -77,11 +79,11 @@ def read_nodes(path: Path) -> list[Node]:
 
 def render(nodes: list[Node], options: RenderOptions, down: frozenset[str] = frozenset()) -> str:
     """The nginx config for these nodes; nodes named in `down` stay on the hash ring but get no traffic."""
-    def servers(endpoint: str) -> str:
+    def servers(address: Callable[[Node], str]) -> str:
         lines = []
         for node in nodes:
             flags = f"weight={node.weight} max_fails={options.max_fails} fail_timeout={options.fail_timeout_s}s"
-            lines.append(f"        server {getattr(node, endpoint)} {flags}{' down' if node.name in down else ''};  # {node.name}")
+            lines.append(f"        server {address(node)} {flags}{' down' if node.name in down else ''};  # {node.name}")
         return "\n".join(lines)
 
     values = {
@@ -92,8 +94,9 @@ def render(nodes: list[Node], options: RenderOptions, down: frozenset[str] = fro
         "ACCESS_LOG": options.access_log,
         "HTTP_LISTEN": options.http_listen,
         "GRPC_LISTEN": options.grpc_listen,
-        "HTTP_SERVERS": servers("http"),
-        "GRPC_SERVERS": servers("grpc"),
+        "HTTP_SERVERS": servers(lambda node: node.http),
+        "GRPC_SERVERS": servers(lambda node: node.grpc),
+        "OPENAI_SERVERS": servers(lambda node: f"{node.http.rsplit(':', 1)[0]}:{options.openai_port}"),
     }
     text = TEMPLATE.read_text()
     for key, value in values.items():
@@ -178,7 +181,7 @@ class HealthWatcher:
 
 def render_options(args: argparse.Namespace) -> RenderOptions:
     return RenderOptions(args.http_listen, args.grpc_listen, args.run_dir, args.access_log, args.error_log,
-                         args.worker_processes, args.max_fails, args.fail_timeout)
+                         args.worker_processes, args.max_fails, args.fail_timeout, args.openai_port)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         command.add_argument("--worker-processes", default=RenderOptions.worker_processes)
         command.add_argument("--max-fails", type=int, default=RenderOptions.max_fails)
         command.add_argument("--fail-timeout", type=int, default=RenderOptions.fail_timeout_s, help="seconds")
+        command.add_argument("--openai-port", type=int, default=RenderOptions.openai_port,
+                             help="the nodes' OpenAI-compatible API port (/v1 routes there)")
     watch = commands.choices["watch"]
     watch.add_argument("--interval", type=float, default=5.0, help="seconds between probes of each node")
     watch.add_argument("--fall", type=int, default=2, help="failed probes in a row that take a node out")

@@ -19,7 +19,7 @@ command -v docker >/dev/null || { echo "docker not found: install Docker and the
 docker rm -f "$NAME" >/dev/null 2>&1 || true
 exec docker run -d --name "$NAME" --restart unless-stopped \
   --gpus "$GPUS" --shm-size 1g --ulimit memlock=-1 \
-  -p 8000:8000 -p 8001:8001 -p 8002:8002 -p 8003:8003 \
+  -p 8000:8000 -p 8001:8001 -p 8002:8002 -p 8003:8003 -p 9000:9000 \
   --env-file "$ENV_FILE" -e KVPOP_GRACE_SECONDS="$GRACE_SECONDS" \
   --stop-timeout $((GRACE_SECONDS + 10)) \
   ${MODEL_REPOSITORY:+-v "$MODEL_REPOSITORY:/models:ro"} \

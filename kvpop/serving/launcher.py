@@ -331,6 +331,16 @@ def detach(argv: list[str], pid_file: Path, log_file: Path, health_url: str, tim
     return 1
 
 
+def openai_sidecar(address: str, port: int, grpc_port: int, run_dir: Path):
+    """The OpenAI-compatible API beside the server, forwarding to its gRPC port on loopback."""
+    from kvpop.serving.sidecar import Sidecar
+
+    grpc_host = "127.0.0.1" if address in ("0.0.0.0", "::") else address
+    command = [sys.executable, "-m", "kvpop.openai_api", "--host", address, "--port", str(port),
+               "--triton-grpc", f"{grpc_host}:{grpc_port}"]
+    return Sidecar("openai_api", command, run_dir / "openai_api.log", url=f"http://{grpc_host}:{port}/v1")
+
+
 def main(argv: list[str] | None = None) -> int:
     from kvpop.serving.supervisor import Supervisor, install_signal_handlers
 
@@ -349,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--admin-key", default=None,
                         help="key for Triton's admin APIs, sent as header kvpop-admin-key (KVPOP_ADMIN_KEY; "
                              "default: a random key written beside the log)")
+    parser.add_argument("--openai-port", type=int, default=9000,
+                        help="the OpenAI-compatible API's port (python -m kvpop.openai_api; 0: off)")
     parser.add_argument("--pid-file", type=Path, help="run in the background; the supervisor's pid goes here")
     parser.add_argument("--log-file", type=Path)
     parser.add_argument("--prepare-only", action="store_true", help="only install the Python backend stub")
@@ -378,7 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     gpus = count_gpus()
     config = choose_model_config(gpus) if server.model_config_name == "auto" else server.model_config_name
     print(f"[serve] {gpus} GPU(s) visible: model config {config or 'config.pbtxt'}", flush=True)
-    supervisor = Supervisor(server, health_port=args.health_port or None, grace_seconds=args.grace_seconds)
+    sidecars = [openai_sidecar(args.address, args.openai_port, args.grpc_port, run_dir)] if args.openai_port else []
+    supervisor = Supervisor(server, health_port=args.health_port or None, grace_seconds=args.grace_seconds,
+                            sidecars=sidecars)
     install_signal_handlers(supervisor)
     return supervisor.run()
 

@@ -43,7 +43,15 @@ SCALAR_INPUTS: dict[str, type] = {
     "repetition_penalty": float,  # 1.0 (or 0/absent): no penalty
     "presence_penalty": float,  # 0.0 (or absent)
     "frequency_penalty": float,  # 0.0 (or absent)
+    # Triton's OpenAI frontend asks for the token counts; every response carries them anyway.
+    "return_num_input_tokens": bool,
+    "return_num_output_tokens": bool,
 }
+
+# Stop strings: `stop` (this service, vLLM) or `stop_words` (TensorRT-LLM, Triton's OpenAI frontend).
+STOP_INPUTS = ("stop", "stop_words")
+# TensorRT-LLM's guided decoding (sent by Triton's OpenAI frontend for tool calls): refused when asked for.
+GUIDED_DECODING_INPUTS = ("guided_decoding_guide_type", "guided_decoding_guide")
 
 # Inputs whose zero value (0, 0.0 or "") means "not sent".
 UNSET_WHEN_ZERO = (
@@ -157,7 +165,17 @@ def _user_turn(text: np.ndarray, tokenizer) -> np.ndarray:
     if text.size != 1 or not _non_empty_text(text):
         return text
     prompt = _decode_utf8(text.reshape(-1)[0], "text_input")
+    if _is_rendered_chat(prompt, tokenizer):
+        return text
     return np.array([render_chat([{"role": "user", "content": prompt}], tokenizer)], dtype=object)
+
+
+def _is_rendered_chat(prompt: str, tokenizer) -> bool:
+    """Whether a text_input already holds the chat template's turn markers (e.g. SmolLM2's
+    `<|im_start|>`): a client that rendered the template itself (Triton's OpenAI frontend does) sent a
+    finished prompt, which wrapping again would turn into a user message quoting a chat."""
+    markers = getattr(tokenizer, "additional_special_tokens", None) or getattr(tokenizer, "all_special_tokens", [])
+    return any(len(marker) > 1 and marker in prompt for marker in markers)
 
 
 def parse_request(
@@ -227,11 +245,14 @@ def parse_request(
     for name in UNSET_WHEN_ZERO:
         if values[name] in (0, 0.0) or (isinstance(values[name], str) and _blank(values[name])):
             values[name] = None
-    stop_tensor = get_input("stop")
-    stop: tuple[str, ...] = ()
-    if stop_tensor is not None:
-        stop = tuple(_decode_utf8(item, "stop") for item in stop_tensor.reshape(-1))
-    elif isinstance(parameters.get("stop"), (list, str)):
+    for name in GUIDED_DECODING_INPUTS:
+        guide = get_input(name)
+        if guide is not None and any(not _blank(_decode_utf8(item, name)) for item in guide.reshape(-1)):
+            raise InvalidRequestError(f"{name}: guided decoding is not supported by this engine")
+    stop_tensors = [(name, get_input(name)) for name in STOP_INPUTS]
+    stop: tuple[str, ...] = tuple(_decode_utf8(item, name) for name, tensor in stop_tensors if tensor is not None
+                                  for item in tensor.reshape(-1))
+    if all(tensor is None for _, tensor in stop_tensors) and isinstance(parameters.get("stop"), (list, str)):
         stop = tuple([parameters["stop"]] if isinstance(parameters["stop"], str) else map(str, parameters["stop"]))
     stop = tuple(item for item in stop if item.strip(" \x00"))  # "" or spaces (perf_analyzer's filler): none
     # Stop strings are matched against the decoded tail every step: bound their cost.

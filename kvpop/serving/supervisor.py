@@ -7,6 +7,7 @@ keep answering 200 while every request to the dead stub hangs. So the supervisor
   back within its load time;
 - serves the truthful health endpoints on its own port: `/ready` is 200 only while the server is
   ready AND every stub it started is alive AND it is not draining; `/live` while this loop runs;
+- keeps its sidecars (the OpenAI-compatible API) running, restarting one that exits;
 - on SIGTERM (or Ctrl-C) drains: readiness goes false, the engine refuses new work as UNAVAILABLE
   (kvpop.serving.drain), running generations finish within the grace period or get a clear error,
   then the server stops, leftover stubs and their /dev/shm regions are removed, and it exits 0.
@@ -25,6 +26,8 @@ from pathlib import Path
 
 from kvpop.serving.drain import DRAIN_FILE_ENV, DrainSignal
 from kvpop.serving.launcher import LauncherError, StubProcess, TritonServer, remove_shm_regions, stub_processes
+from kvpop.serving.sidecar import Sidecar
+
 RESTART_NOTICE_SECONDS = 0.5  # the front end's watcher polls every 0.1 s
 RESTART_NOTICE_MAX_SECONDS = 5.0  # a loaded machine may need longer to answer what the front end holds
 # The gauge falls just before the answer is handed to tritonserver, which still has to write it to the
@@ -56,8 +59,10 @@ class Supervisor:
     """Runs `server` until SIGTERM/SIGINT; restarts it when it or one of its stubs dies."""
 
     def __init__(self, server: TritonServer, health_port: int | None = 8003, grace_seconds: float = 30.0,
-                 poll_seconds: float = 0.5, max_restarts: int = 10, drain_file: Path | None = None) -> None:
+                 poll_seconds: float = 0.5, max_restarts: int = 10, drain_file: Path | None = None,
+                 sidecars: list[Sidecar] | None = None) -> None:
         self.server, self.health_port = server, health_port
+        self.sidecars = list(sidecars or [])
         self.grace_seconds, self.poll_seconds, self.max_restarts = grace_seconds, poll_seconds, max_restarts
         drain_file = drain_file or Path(server.log_file or "run/tritonserver.log").with_name(
             f"drain-{server.http_port}.flag")
@@ -75,10 +80,13 @@ class Supervisor:
     # -- health endpoints ------------------------------------------------------------------------
     def status(self) -> dict:
         return {"state": self.state, "ready": self.is_ready(), "stubs": [stub.__dict__ for stub in self.stubs],
+                "sidecars": {sidecar.name: {"alive": sidecar.is_alive(), "restarts": sidecar.restarts}
+                             for sidecar in self.sidecars},
                 "restarts": self.restarts[-5:]}
 
     def is_ready(self) -> bool:
         return (self.state == "ready" and all(stub.is_alive() for stub in self.stubs)
+                and all(sidecar.is_alive() for sidecar in self.sidecars)
                 and self.server.process is not None and self.server.process.poll() is None)
 
     def is_live(self) -> bool:
@@ -122,18 +130,24 @@ class Supervisor:
             self._log(f"{error}")
             self._stop_server()
             return 1
+        for sidecar in self.sidecars:
+            sidecar.start()
         self._log(f"READY  HTTP http://{self.server.http_url}/v2/models/kvpop_service/infer  gRPC {self.server.grpc_url}"
                   f"  metrics {self.server.metrics_url}"
                   + (f"  health http://{self.server.http_url.rsplit(':', 1)[0]}:{self.health_port}/ready"
-                     if self.health_port else ""))
+                     if self.health_port else "")
+                  + "".join(f"  {sidecar.name} {sidecar.url}" for sidecar in self.sidecars))
         while not self._stop_requested.wait(self.poll_seconds):
             self._heartbeat = time.monotonic()
+            self._restart_exited_sidecars()
             reason = self._failure()
             if reason is None:
                 continue
             if len(self.restarts) >= self.max_restarts:
                 self._log(f"{reason}; {len(self.restarts)} restarts already: giving up (exit 1)")
                 self._stop_server()
+                for sidecar in self.sidecars:
+                    sidecar.stop()
                 return 1
             self._restart(reason)
         self._drain_and_stop()
@@ -147,6 +161,13 @@ class Supervisor:
         if dead:
             return "Python backend stub died: " + ", ".join(f"{stub.model} (pid {stub.pid})" for stub in dead)
         return None
+
+    def _restart_exited_sidecars(self) -> None:
+        for sidecar in self.sidecars:
+            if sidecar.process is not None and not sidecar.is_alive():
+                self._log(f"{sidecar.name} exited with code {sidecar.process.returncode}: restarting it")
+                sidecar.restarts += 1
+                sidecar.start()
 
     def _start_server(self) -> None:
         self.state = "starting"
@@ -204,6 +225,8 @@ class Supervisor:
                 break
             time.sleep(0.25)
         self._stop_server()
+        for sidecar in self.sidecars:
+            sidecar.stop()
         self.drain.clear()
         self.state = "stopped"
         self._log("stopped")

@@ -26,17 +26,18 @@ REAL_MODEL := models/smollm2-135m-instruct
 REAL_MODEL_STAMP := $(REAL_MODEL)/.complete
 THREADS ?= $(shell nproc)
 # Quality benchmark: the reference tasks at TASK_TOKENS-token prompts (2048: the longest context the
-# reference model was trained for; 512 and 1024 are the shorter tables in docs/quality/). TASK_SPLIT
-# heldout is the headline's test split, run once and never tuned on; `test` is the development split
-# the scorer was designed on (docs/quality/README.md), and `validation` is where variants are chosen.
+# reference model was trained for). TASK_SPLIT heldout is the test split of the published table, run once
+# and never tuned on; `test` is the development split the scorer was designed on, and `validation` is
+# where variants are chosen (docs/QUALITY.md). Results go to build/results/ (never into the tracked tree).
+RESULTS_OUT := build/results
 TASK_SPLIT ?= heldout
 TASK_TOKENS ?= 2048
 TASK_FACTS ?=# facts per benchmark task; empty: the default density (one per 12 tokens, at most 48)
 TASKS_FILE ?= build/tasks/$(TASK_SPLIT)-$(TASK_TOKENS)$(if $(TASK_FACTS),-facts$(TASK_FACTS)).jsonl
-QUALITY_DIR ?= docs/quality
-# The exported model the sweep runs: the reference tasks need a reference export
-# (make export MODEL=models/reference, or python -m export --model models/reference --output DIR).
-EVAL_MODEL ?= model_repository/kvpop_engine/1
+QUALITY_DIR ?= $(RESULTS_OUT)/quality-reference-$(TASK_TOKENS)
+# The exported model the sweep runs: the reference tasks need a reference export, made here when missing.
+EVAL_MODEL ?= build/bench/reference
+EVAL_POLICIES ?=# comma-separated policies of the sweep (kvpop:mlstm,streaming, ...); empty: every policy
 # Protected recent window of kvpop/h2o on the reference model: its chain of thought reads back at
 # most ~12 tokens, and a 64-token window would leave no long-range slots at 88% of a 512-token task.
 KV_WINDOW ?= 16
@@ -126,7 +127,7 @@ reference-model: setup  ## train the shipped reference model (resumes models/ref
 
 eval-reference: setup  ## full-cache and StreamingLLM accuracy of the reference model per context length (JSON + plot)
 	$(PY) -m kvpop_train.reference.evaluate --model $(REFERENCE) --lengths 512 1024 2048 --num 200 --threads $(THREADS) \
-		--out docs/reference_model
+		--out $(RESULTS_OUT)/reference-model
 
 # A real model's scorers are trained on generic English (stdlib docstrings with recall continuations,
 # kvpop_train/scorer/english_texts.py), never on the English benchmark's task families or haystack,
@@ -160,30 +161,34 @@ train-scorer: setup  ## train the KVpop scorers (mLSTM + MLP) for MODEL (default
 		--span-pooling $(SCORER_SPAN_POOLING) --traces build/scorer-texts/traces-$(notdir $(MODEL:/=))-$(SCORER_QUESTIONS)-$(SCORER_NUM_TEXTS)x$(SCORER_MAX_TOKENS).pt --threads $(THREADS),--window $(KV_WINDOW))
 
 # English long-context benchmark (benchmarks/english_tasks.py) on the exported model (`make export`):
-# every policy x compression per context length, contains-scoring, into docs/quality/real/<tokens>/.
+# every policy (or REAL_POLICIES) x compression per context length, contains-scoring, into
+# build/results/quality-real-<tokens>/.
 # 64 output tokens: a multi-value answer lists four 6-digit numbers (SmolLM2 spends a token per digit).
 REAL_TASK_LENGTHS ?= 1024 2048 4096
 REAL_TASK_NUM ?= 40
 REAL_TASK_SPLIT ?= test
 REAL_TASK_FAMILIES ?= passkey,multikey,multivalue,vartrack,qa
 REAL_MAX_TOKENS ?= 32
-REAL_QUALITY_DIR ?= docs/quality/real
+REAL_QUALITY_DIR ?= $(RESULTS_OUT)
+REAL_POLICIES ?=# comma-separated, e.g. kvpop:mlstm,streaming; empty: every policy
 
-eval-real: setup  ## English RULER-like tasks (REAL_TASK_NUM per length, REAL_TASK_LENGTHS) x every policy on the exported model: docs/quality/real/
+eval-real: setup  ## [evaluate] English RULER-like tasks (REAL_TASK_NUM per length, REAL_TASK_LENGTHS) x every policy on the exported model: build/results/quality-real-<tokens>/
 	@test -f model_repository/kvpop_engine/1/model_spec.json || { echo "no exported model: run 'make export' first"; exit 1; }
 	@for tokens in $(REAL_TASK_LENGTHS); do \
 		tasks=build/real-tasks/$(REAL_TASK_SPLIT)-$$tokens.jsonl; \
 		$(PY) -m benchmarks.english_tasks write --model $(or $(MODEL),$(REAL_MODEL)) --split $(REAL_TASK_SPLIT) \
 			--context-tokens $$tokens --num $(REAL_TASK_NUM) --families $(REAL_TASK_FAMILIES) --out $$tasks && \
 		$(PY) -m kvpop.eval --model model_repository/kvpop_engine/1 --tasks $$tasks --sweep --scoring contains \
-			--max-tokens $(REAL_MAX_TOKENS) --window $(REAL_KV_WINDOW) --out-dir $(REAL_QUALITY_DIR)/$$tokens || exit 1; \
+			--max-tokens $(REAL_MAX_TOKENS) --window $(REAL_KV_WINDOW) $(if $(REAL_POLICIES),--policies $(REAL_POLICIES)) \
+			--out-dir $(REAL_QUALITY_DIR)/quality-real-$$tokens || exit 1; \
 	done
 
 tasks: setup  ## write 200 reference tasks of TASK_SPLIT (default heldout) at TASK_TOKENS (default 2048) to build/tasks/
 	$(PY) -m kvpop.tasks write --split $(TASK_SPLIT) --num 200 --context-tokens $(TASK_TOKENS) $(if $(TASK_FACTS),--num-facts $(TASK_FACTS)) --out $(TASKS_FILE)
 
-eval-sweep: tasks  ## every policy x compression 0-94% on TASK_SPLIT (default heldout): docs/quality/ (JSON, markdown, plot)
-	$(PY) -m kvpop.eval --model $(EVAL_MODEL) --tasks $(TASKS_FILE) --sweep --window $(KV_WINDOW) --out-dir $(QUALITY_DIR)
+eval-sweep: tasks  ## [evaluate] every policy x compression 0-94% on the reference model, TASK_SPLIT (default heldout): build/results/quality-reference-<tokens>/
+	@test -f $(EVAL_MODEL)/model_spec.json || $(PY) -m export --model $(REFERENCE) --output $(EVAL_MODEL)
+	$(PY) -m kvpop.eval --model $(EVAL_MODEL) --tasks $(TASKS_FILE) --sweep --window $(KV_WINDOW) $(if $(EVAL_POLICIES),--policies $(EVAL_POLICIES)) --out-dir $(QUALITY_DIR)
 	@test ! -f $(KVPRESS_OUT) || $(PY) -m benchmarks.kvpress_compare merge --kvpress $(KVPRESS_OUT) --sweep-dir $(QUALITY_DIR)
 
 # NVIDIA kvpress as an outside peer, in its own environment (it pins transformers<5.3 and numpy 2).
@@ -200,14 +205,14 @@ $(KVPRESS_STAMP): requirements/kvpress.txt
 	$(KVPRESS_PY) -m pip install --quiet --disable-pip-version-check -r requirements/kvpress.txt
 	@touch $@
 
-eval-kvpress: kvpress-env tasks  ## kvpress presses on MODEL (default: reference) x TASK_SPLIT, merged into docs/quality (after eval-sweep)
+eval-kvpress: kvpress-env tasks  ## [evaluate] kvpress presses on MODEL (default: reference) x TASK_SPLIT, merged into the eval-sweep results
 	@test -f $(QUALITY_DIR)/sweep.json || { echo "no $(QUALITY_DIR)/sweep.json: run 'make eval-sweep' first"; exit 1; }
 	$(KVPRESS_PY) -m benchmarks.kvpress_compare run --model $(or $(MODEL),$(REFERENCE)) --tasks $(TASKS_FILE) \
 		--out $(KVPRESS_OUT) $(KVPRESS_ARGS)
 	$(PY) -m benchmarks.kvpress_compare merge --kvpress $(KVPRESS_OUT) --sweep-dir $(QUALITY_DIR)
 
-speed: setup  ## decode speed and memory vs context length, full vs bounded vs HF generate: docs/benchmarks/
-	$(PY) -m benchmarks.speed --out-dir docs/benchmarks
+speed: setup  ## [benchmark] decode speed and memory vs context length, full vs bounded vs HF generate: build/results/speed/
+	$(PY) -m benchmarks.speed --out-dir $(RESULTS_OUT)/speed
 
 speed-quick: setup  ## the speed harness on a tiny model, in seconds (plumbing)
 	$(PY) -m benchmarks.speed --quick --out-dir build/speed-quick
@@ -216,41 +221,41 @@ speed-quick: setup  ## the speed harness on a tiny model, in seconds (plumbing)
 # stops a sequence at the model's 8192 positions, and the timed steps need room), batch 1 and 8, full
 # vs streaming vs kvpop with each learned scorer at 1024 slots (88% compression at 8k) vs HF generate.
 # Times a copy of the export in build/speed-smollm2/, with untrained scorers of the model's shape for
-# any kind the export lacks (speed only). ~35 min on 2 busy cores: docs/benchmarks/smollm2/.
+# any kind the export lacks (speed only). ~35 min on 2 busy cores: build/results/speed-smollm2/.
 SPEED_MODEL ?= model_repository/kvpop_engine/1
 SPEED_REAL_ARGS ?= --contexts 1024,2048,4096,8064 --prefill-chunk 128 --budgets 1024 --batches 1,8 \
 	--policies streaming --extra-policies kvpop:mlstm,kvpop:mlp --decode-steps 24 --memory-tokens 0 --threads 1
 
-speed-real: setup  ## decode speed on SmolLM2's export to 8k, batch 1 and 8, incl. the learned scorers' per-step cost: docs/benchmarks/smollm2/
+speed-real: setup  ## [benchmark] decode speed on SmolLM2's export to 8k, batch 1 and 8, incl. the learned scorers' per-step cost: build/results/speed-smollm2/
 	$(PY) -m benchmarks.speed --model $(SPEED_MODEL) --hf-model $(REAL_MODEL) --untrained-scorers-dir build/speed-smollm2 \
-		--scorer-window $(REAL_KV_WINDOW) $(SPEED_REAL_ARGS) --out-dir docs/benchmarks/smollm2
+		--scorer-window $(REAL_KV_WINDOW) $(SPEED_REAL_ARGS) --out-dir $(RESULTS_OUT)/speed-smollm2
 
 # The service benchmark runs the shipped reference model by default (exported into build/, not into
 # model_repository/); BENCH_MODEL=<export dir> BENCH_HF=<its HF dir> runs another (e.g. SmolLM2).
 BENCH_MODEL ?= build/bench/reference
 BENCH_HF ?= $(REFERENCE)
 BENCH_ARGS ?=
-bench-service: setup  ## the real server (full, kvpop at 88%) vs FastAPI + HF generate, workloads (a)-(d): docs/benchmarks/service.*
+bench-service: setup  ## [benchmark] the real server (full, kvpop at 88%) vs FastAPI + HF generate, workloads (a)-(d): build/results/service-<model>/
 	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements/constraints.txt -r requirements/bench.txt
 	@test -f $(BENCH_MODEL)/model_spec.json || $(PY) -m export --model $(BENCH_HF) --output $(BENCH_MODEL)
 	@test -f $(BENCH_MODEL)/decoder_step.last.onnx || $(PY) -m export.step_variants $(BENCH_MODEL)
-	$(PY) -m benchmarks.bench_service --model $(BENCH_MODEL) --hf-model $(BENCH_HF) --out-dir docs/benchmarks $(BENCH_ARGS)
+	$(PY) -m benchmarks.bench_service --model $(BENCH_MODEL) --hf-model $(BENCH_HF) --out-dir $(RESULTS_OUT)/service-$(notdir $(BENCH_MODEL:/=)) $(BENCH_ARGS)
 
 SESSION_MODEL ?= build/reference-export
-bench-sessions: setup  ## TTFT per turn of a 10-turn conversation, sessions vs resending the whole history: docs/benchmarks/session_ttft.*
+bench-sessions: setup  ## [benchmark] TTFT per turn of a 10-turn conversation, sessions vs resending the whole history: build/results/sessions/
 	@test -f $(SESSION_MODEL)/model_spec.json || $(PY) -m export --model $(REFERENCE) --output $(SESSION_MODEL)
-	$(PY) -m benchmarks.session_ttft --model $(SESSION_MODEL) --out-dir docs/benchmarks
+	$(PY) -m benchmarks.session_ttft --model $(SESSION_MODEL) --out-dir $(RESULTS_OUT)/sessions
 
-bench-steady: setup  ## workload (b)'s steady state on SmolLM2 (8 full kvpop caches of 922 slots), engine alone and through the server (~5 min): docs/benchmarks/smollm2/steady_decode.json
-	$(PY) -m benchmarks.steady_decode --model $(SPEED_MODEL) --out docs/benchmarks/smollm2/steady_decode.json
+bench-steady: setup  ## workload (b)'s steady state on SmolLM2 (8 full kvpop caches of 922 slots), engine alone and through the server (~5 min): build/results/steady/steady_decode.json
+	$(PY) -m benchmarks.steady_decode --model $(SPEED_MODEL) --out $(RESULTS_OUT)/steady/steady_decode.json
 
-bench-profile: setup  ## where an engine step's milliseconds go, one request and a loaded period: docs/benchmarks/profile_engine_after.*
+bench-profile: setup  ## where an engine step's milliseconds go, one request and a loaded period: build/results/profile/
 	@test -f $(BENCH_MODEL)/model_spec.json || $(PY) -m export --model $(BENCH_HF) --output $(BENCH_MODEL)
-	$(PY) -m benchmarks.profile_engine --model $(BENCH_MODEL) --out docs/benchmarks/profile_engine_after.json
+	$(PY) -m benchmarks.profile_engine --model $(BENCH_MODEL) --out $(RESULTS_OUT)/profile/profile_engine.json
 
-bench-overhead: setup  ## kvpop's own cost per token in the engine: full vs kvpop scorers, vectorised decode on / off: docs/benchmarks/policy_overhead.*
+bench-overhead: setup  ## kvpop's own cost per token in the engine: full vs kvpop scorers, vectorised decode on / off: build/results/overhead/
 	@test -f $(BENCH_MODEL)/model_spec.json || $(PY) -m export --model $(BENCH_HF) --output $(BENCH_MODEL)
-	$(PY) -m benchmarks.policy_overhead --model $(BENCH_MODEL) --out-dir docs/benchmarks
+	$(PY) -m benchmarks.policy_overhead --model $(BENCH_MODEL) --out-dir $(RESULTS_OUT)/overhead
 
 loadtest: setup  ## [benchmark] locust against a running server (make serve-bg first): USERS, DURATION, PROTOCOL=http|grpc; build/results/loadtest/
 	@mkdir -p build/results/loadtest

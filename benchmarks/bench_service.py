@@ -1,7 +1,7 @@
 """Service benchmark (a program, not a test): the real tritonserver vs the classic design, end to end.
 
     python -m benchmarks.bench_service --model build/bench/reference --hf-model models/reference \
-        --out-dir docs/benchmarks                                      # make bench-service
+        --out-dir build/results/service-reference              # make bench-service
 
 Starts the real server (kvpop.serving.launcher.TritonServer, CPU config) on the exported model, and
 the classic design (benchmarks/classic_server.py: FastAPI + Hugging Face `generate`, full cache,
@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True, help="exported model directory (python -m export)")
     parser.add_argument("--hf-model", type=Path, required=True, help="the same model as a Hugging Face directory (classic design)")
-    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "docs" / "benchmarks")
+    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "build" / "results" / "service-reference")
     parser.add_argument("--repetitions", type=int, default=2)
     parser.add_argument("--reason-tokens", type=int, default=1024, help="output tokens of workload (b)")
     parser.add_argument("--pool-tokens", type=int, default=256, help="output tokens of workload (c)")

@@ -9,7 +9,7 @@ engine keeps numpy<2:
         --out build/kvpress/kvpress.json
     # in .venv: merge the rows into an existing sweep (sweep.json, sweep.md, plot regenerated with
     # kvpop.eval's own table and plot)
-    python -m benchmarks.kvpress_compare merge --kvpress build/kvpress/kvpress.json --sweep-dir docs/quality
+    python -m benchmarks.kvpress_compare merge --kvpress build/kvpress/kvpress.json --sweep-dir build/results/quality-reference-2048
 
 What runs (kvpress's own classes, read from its 0.5.5 source, not re-implemented):
 - `kvpress:NAME`: the press at `compression_ratio=r` during prefill, kvpress's native use. It

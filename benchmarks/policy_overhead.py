@@ -1,7 +1,7 @@
 """kvpop's own cost per token in the engine (a program, not a test): full vs kvpop with each learned
 scorer, with the vectorised decode path on and off, in one run with interleaved repetitions.
 
-    python -m benchmarks.policy_overhead --model build/bench/reference --out-dir docs/benchmarks
+    python -m benchmarks.policy_overhead --model build/bench/reference --out-dir build/results/overhead
 
 Runs `Engine.generate` (no Triton) on B prompts of P random tokens generating N tokens each, every
 system once per repetition, repetitions interleaved so a busy minute of a shared machine hits every
@@ -40,7 +40,7 @@ def systems(scorers: list[str], compression: float, budget: int | None = None) -
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.policy_overhead", description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True, help="exported model directory with learned scorers")
-    parser.add_argument("--out-dir", type=Path, default=Path("docs/benchmarks"))
+    parser.add_argument("--out-dir", type=Path, default=Path("build/results/overhead"))
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=100)
     parser.add_argument("--output-tokens", type=int, nargs="+", default=[32, 256])

@@ -1,6 +1,6 @@
 """Where an engine step's milliseconds go (a program, not a test): one request, and a loaded period.
 
-    python -m benchmarks.profile_engine --model build/bench/reference --out docs/benchmarks/profile_after.json
+    python -m benchmarks.profile_engine --model build/bench/reference --out build/results/profile/profile_engine.json
 
 Wraps the engine's parts in timers (the ONNX decoder call and what it copies back, the policy's
 `observe` with the learned scorer inside it, the slot cache's eviction, the batch pool's repacks,

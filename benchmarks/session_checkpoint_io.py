@@ -3,7 +3,7 @@ background writer vs the synchronous write it replaced, and a restore from disk 
 synchronous). Synthetic session states of SmolLM2-135M's shape (30 layers, 3 KV heads, head_dim 64,
 fp32) at several cache sizes; prints a table and saves it as JSON.
 
-    .venv/bin/python -m benchmarks.session_checkpoint_io [--repeats 21] [--out docs/benchmarks/session_checkpoint_io.json]
+    .venv/bin/python -m benchmarks.session_checkpoint_io [--repeats 21] [--out build/results/session_checkpoint_io.json]
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--slots", type=int, nargs="+", default=[256, 1024, 2048])
     parser.add_argument("--repeats", type=int, default=21)
-    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/session_checkpoint_io.json"))
+    parser.add_argument("--out", type=Path, default=Path("build/results/session_checkpoint_io.json"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
         rows = [measure(slots, args.repeats, Path(directory) / str(slots)) for slots in args.slots]

@@ -2,7 +2,7 @@
 with a session (the server keeps the cache between turns and prefills only the new tokens) vs
 without (the whole history is sent and prefilled every turn).
 
-    python -m benchmarks.session_ttft --model build/reference-export --out-dir docs/benchmarks   # make bench-sessions
+    python -m benchmarks.session_ttft --model build/reference-export --out-dir build/results/sessions   # make bench-sessions
 
 Starts the real server (kvpop.serving.launcher.TritonServer, CPU config) on the exported model and
 streams over gRPC; TTFT is the time from sending the request to the first streamed token. The
@@ -154,7 +154,7 @@ def plot(report: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=REPO_ROOT / "build" / "reference-export", help="an exported model")
-    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "docs" / "benchmarks")
+    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "build" / "results" / "sessions")
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--reps", type=int, default=11)
     parser.add_argument("--system-tokens", type=int, default=512)

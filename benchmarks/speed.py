@@ -1,6 +1,6 @@
 """Speed harness (a program, not a test): decode speed and memory of the engine vs Hugging Face.
 
-    python -m benchmarks.speed --out-dir docs/benchmarks      # builds + exports a random Llama of
+    python -m benchmarks.speed --out-dir build/results/speed  # builds + exports a random Llama of
                                                                # realistic shape (benchmarks/bench_model.py)
     python -m benchmarks.speed --model ONNX_DIR --hf-model HF_DIR --out-dir DIR
     python -m benchmarks.speed --quick --out-dir /tmp/speed    # tiny random model, seconds (plumbing)
@@ -574,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--untrained-scorers-dir", type=Path, help="time a copy of --model built here, with an initialised (untrained) "
                         "scorer of the model's shape for each kvpop:<kind> the model lacks")
     parser.add_argument("--scorer-window", type=int, default=64, help="protected window of such untrained scorers")
-    parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--out-dir", type=Path, default=Path("build/results/speed"))
     args = parser.parse_args(argv)
 
     import psutil

@@ -1,7 +1,7 @@
 """The bounded cache's steady decode step, engine alone and through the real server (a program, not a test).
 
     python -m benchmarks.steady_decode --model model_repository/kvpop_engine/1 --budget 922 \
-        --out docs/benchmarks/smollm2/steady_decode.json
+        --out build/results/steady/steady_decode.json
 
 Workload (b) spends nearly all its time in one state: every stream's kvpop cache is full (`--budget`
 slots per head) and each step appends one token per stream and evicts one. This program measures that

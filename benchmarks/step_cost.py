@@ -1,7 +1,7 @@
 """What one decode step costs by batch size and cached slots (a program, not a test): the bound a
 bounded cache can buy on this device.
 
-    python -m benchmarks.step_cost --model model_repository/kvpop_engine/1 --out docs/benchmarks/smollm2/step_cost.json
+    python -m benchmarks.step_cost --model model_repository/kvpop_engine/1 --out build/results/step-cost/step_cost.json
 
 Times the serving decode step (the lean variant: last-position logits, no attention) on random
 caches of B sequences x S slots, medians of interleaved repetitions, and fits per batch size

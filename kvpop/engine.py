@@ -220,7 +220,7 @@ class Engine:
         attention, evicted once after it (compress after prefill, as kvpress does), holding the prompt's
         keys and values meanwhile. Evicting while prefilling changes the keys and values of everything
         after the first eviction, and costs the learned scorer most of its answers at 75-88%
-        (docs/quality/real, session 20). 0, longer prompts, and policies that read attention (whose
+        (docs/QUALITY.md). 0, longer prompts, and policies that read attention (whose
         rows would be prompt x prompt) evict as they prefill.
         `prefill_pacing`: while streams decode, size each step's prompt work to about this many decode
         steps' time, measured as the engine runs (kvpop.prefill_pacer; `max_step_tokens` stays the

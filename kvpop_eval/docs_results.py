@@ -46,13 +46,14 @@ SPECS = {
     for spec in (
         ResultSpec("quality-real-2048", "quality-real-2048/sweep.json",
                    "SmolLM2-135M-Instruct, 48 English tasks (test split), 2,048 tokens",
-                   "make eval-real REAL_TASK_LENGTHS=2048 REAL_TASK_NUM=48 REAL_TASK_FAMILIES=passkey,multikey"),
+                   "make eval-real REAL_TASK_LENGTHS=2048 REAL_TASK_NUM=48 REAL_TASK_FAMILIES=passkey,multikey "
+                   "REAL_POLICIES=kvpop:mlstm,streaming"),
         ResultSpec("quality-reference-2048", "quality-reference-2048/sweep.json",
                    "reference model, 200 held-out tasks, 2,048 tokens",
-                   "make eval-sweep EVAL_MODEL=build/bench/reference TASK_SPLIT=heldout TASK_TOKENS=2048"),
+                   "make eval-sweep EVAL_POLICIES=kvpop:mlstm,streaming"),
         ResultSpec("service-reference", "service-reference/service.json",
                    "the real server vs FastAPI + HF generate, reference model, kvpop at 88%",
-                   "make bench-service BENCH_ARGS='--workloads a c d --repetitions 1'"),
+                   "make bench-service BENCH_ARGS='--workloads a c d --repetitions 1 --stall-tokens 0'"),
     )
 }
 HEADLINE_POLICIES = ("kvpop:mlstm", "streaming")  # the service's default scorer and its heuristic baseline

@@ -2,7 +2,7 @@
 
 Why: appending one token per sequence through `SlotCache.append` costs some sixty small numpy calls
 and one scorer call per sequence per step (on the reference model that is more than the decoder
-step itself: docs/benchmarks/SERVICE.md). In the steady state every such append is the same few
+step itself: docs/PERFORMANCE.md). In the steady state every such append is the same few
 operations: score the one token leaving the protected window, drop each head's lowest-priority
 unprotected slot, write the new token there. Here they run vectorised over the batch, with tensors
 (B, L, Hkv, C), and the learned scorer runs once for the batch (`LearnedScorer.score_decode_batch`).

@@ -15,7 +15,7 @@ one fact keyed on its name: after writing `c` the model continues the one place 
 context where `c` opened a fact. The name is the query token on purpose: small models learn
 that copy within a few million tokens, while a separator between name and value (`c = ...`),
 or the name after its value (`12 = b`), kept them at chance for tens of millions (measured;
-docs/reference_model/TRAINING_NOTES.md).
+models/reference/MODEL_CARD.md).
 Eviction matters because the needed facts sit anywhere in the context, while distractors
 (other chains, and "near-miss" facts that use a chain variable on their right-hand side)
 defeat any lookup that is not keyed on the defined name.
@@ -41,7 +41,7 @@ from kvpop.tasks.language import (
     offset_word,
 )
 
-# `test` is a development split: the scorer's design was measured on it (docs/quality/README.md).
+# `test` is a development split: the scorer's design was measured on it (docs/QUALITY.md).
 # `heldout` is the quality headline's test split, added after that design was frozen and run once;
 # nothing may be tuned on it. A split's position fixes its seeds, so new splits only ever go last.
 SPLITS: tuple[str, ...] = ("train", "validation", "test", "heldout")

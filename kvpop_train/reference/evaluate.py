@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sink-tokens", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=None, help="onnxruntime threads (default: onnxruntime's)")
-    parser.add_argument("--out", type=Path, default=Path("docs/reference_model"))
+    parser.add_argument("--out", type=Path, default=Path("build/results/reference-model"))
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as scratch:

@@ -57,7 +57,7 @@ class TraceText:
     does not know which continuation comes, so a token is worth what the continuation that needs it
     most gives it (as the max over the query heads of a GQA group: a slot matters if any reader needs
     it). Averaging instead ranks a fact one question needs below a fact many need and close to the
-    attention filler collects, and measured worse (docs/quality).
+    attention filler collects, and measured worse (docs/QUALITY.md).
     """
 
     context: str
@@ -95,7 +95,7 @@ def task_texts(
     context, the facts nobody asked get the same near-zero future attention as filler, and the ranking
     loss cannot tell "a fact" from "filler" (measured on 512-token tasks: kvpop:mlp 0.465 at 75%
     compression; 0.730 with 8 questions per context; 0.915 with questions about every fact, only their
-    queries counting, max over the runs; docs/quality).
+    queries counting, max over the runs; docs/QUALITY.md).
     """
     from kvpop.tasks import TaskConfig, generate_task
     from kvpop.tasks.generator import question_words

@@ -48,7 +48,7 @@ class TrainConfig:
     minutes_per_kind: float = 10.0
     learning_rate: float = 3e-3
     weight_decay: float = 1e-4
-    regression_weight: float = 0.5  # measured: 0.05 and 2.0 kept fewer needed tokens at 88-94% (docs/quality)
+    regression_weight: float = 0.5  # measured: 0.05 and 2.0 kept fewer needed tokens at 88-94% (docs/QUALITY.md)
     margin_cap: float = 2.0  # pair weight = min(|target difference|, cap)
     target_span: int = 0  # see targets.shape_target: 0 = each token's own importance
     target_scope: str = "head"  # see targets.shape_target: head | layer | model

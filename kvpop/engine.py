@@ -41,123 +41,16 @@ from kvpop.decoder import DecoderStep, StepInputs, StepOutput
 from kvpop.prefill_pacer import PrefillPacer
 from kvpop.policies import POLICIES, EvictionPolicy, TokenScorer, make_policy
 from kvpop.policies.text_spans import TextSpans, line_break_table
+from kvpop.request import NO_TOKEN, CacheConfig, FinishReason, GenerationRequest, GenerationResult, TokenEvent
 from kvpop.sampling import Sampler, SamplingParams
 from kvpop.scorer import LEARNED_SCORER_KINDS, learned_scorer
 from kvpop.sessions import SessionStore, validate_session_id
 
-FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED = "stop", "length", "cancelled"
-NO_TOKEN = -1  # token_id of an event that carries no token (a cancellation)
 MIN_PIECE_TOKENS = 16  # a step's budget left over after other prompt work starts no smaller piece
 
 
 class Tokenizer(Protocol):
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
-
-
-@dataclass
-class CacheConfig:
-    """Which policy keeps a request's cache, and how many slots per head it may use.
-
-    Give `budget` (slots per head) or `compression` (0 <= r < 1; budget = ceil((1 - r) * (prompt
-    tokens + max_tokens))), not both; `full` takes neither. `sinks`, `window` and `seed` reach the
-    policies that have such a field (streaming: sinks; h2o: window; random: seed; kvpop: sinks,
-    window) and are clamped so that sinks + window fit in the budget (kvpop's window also shrinks to a
-    quarter of a tight budget, never under 32 tokens: KVpopPolicy.protected_counts). `scorer` is the kvpop policy's
-    alone: every other policy ignores it (a service passes its kvpop scorer with every request).
-    """
-
-    policy: str = "full"
-    budget: int | None = None
-    compression: float | None = None
-    sinks: int = 4
-    window: int = 64
-    seed: int = 0  # random policy
-    scorer: str = "accumulated_attention"  # kvpop only: a built-in scorer or one of LEARNED_SCORER_KINDS
-
-    def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown eviction policy {self.policy!r}; registered: {', '.join(POLICIES)}")
-        bounded = POLICIES[self.policy].evicts
-        if not bounded and (self.budget is not None or self.compression is not None):
-            raise ValueError("policy 'full' keeps every token: give neither budget nor compression")
-        if bounded and (self.budget is None) == (self.compression is None):
-            raise ValueError(f"policy {self.policy!r} needs exactly one of budget (slots) or compression (ratio)")
-        if self.budget is not None and (isinstance(self.budget, bool) or int(self.budget) != self.budget or self.budget < 1):
-            raise ValueError(f"budget must be a positive whole number of slots per head, got {self.budget!r}")
-        if self.compression is not None and not 0.0 <= self.compression < 1.0:
-            raise ValueError(f"compression must be in [0, 1), got {self.compression!r}")
-        if self.sinks < 0 or self.window < 0:
-            raise ValueError(f"sinks and window must be >= 0, got sinks={self.sinks} window={self.window}")
-        if self.learned_scorer is None:
-            self.build_policy()  # fails here, with the policy's own message, on bad options
-
-    @property
-    def learned_scorer(self) -> str | None:
-        """The learned scorer kind this request needs from the engine (kvpop only), or None."""
-        return self.scorer if self.policy == "kvpop" and self.scorer in LEARNED_SCORER_KINDS else None
-
-    def resolve_budget(self, prompt_tokens: int, max_tokens: int) -> int | None:
-        """Slots per head for a request of this size; None for the unbounded full cache."""
-        if self.budget is not None:
-            return int(self.budget)
-        if self.compression is None:
-            return None
-        return max(1, math.ceil((1.0 - self.compression) * (prompt_tokens + max_tokens)))
-
-    def build_policy(self, learned_scorers: dict[str, TokenScorer] | None = None) -> EvictionPolicy:
-        """The policy instance. Only kvpop gets a scorer; a learned one resolves to the engine's loaded
-        network, whose protected window (the one it was trained for) replaces `window`."""
-        if self.policy != "kvpop":
-            return make_policy(self.policy, sinks=self.sinks, window=self.window, seed=self.seed)
-        scorer, window = self.scorer, self.window
-        if self.learned_scorer is not None:
-            scorer = learned_scorer(self.learned_scorer, learned_scorers or {})
-            window = getattr(scorer, "window", window)
-        return make_policy(self.policy, sinks=self.sinks, window=window, scorer=scorer)
-
-
-@dataclass
-class GenerationRequest:
-    request_id: str
-    prompt_ids: list[int]
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    # Keep the sequence's state when it ends, and start from the session's saved state when the
-    # prompt begins with the tokens that state has seen (needs an engine with a session store).
-    session_id: str | None = None
-    end_session: bool = False  # the session's last turn: forget its state instead of keeping it
-
-    def __post_init__(self) -> None:
-        self.prompt_ids = [int(token) for token in self.prompt_ids]
-        if not self.prompt_ids:
-            raise ValueError(f"request {self.request_id!r}: prompt_ids is empty")
-
-
-@dataclass
-class TokenEvent:
-    request_id: str
-    token_id: int  # NO_TOKEN (-1) for a cancellation
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "cancelled" once finished
-
-
-@dataclass
-class GenerationResult:
-    request_id: str
-    prompt_ids: list[int]
-    output_ids: list[int]  # includes a final EOS token, as Hugging Face generate does
-    finish_reason: str
-    budget: int  # slots per head (for full: the tokens it ended up holding)
-    peak_kv_bytes: int  # largest key + value storage this sequence held
-    tokens_evicted: int  # per head (every head evicts the same number)
-    compression: float  # 1 - cached tokens / tokens seen
-    tokens_seen: int = 0
-    policy: str = "full"
-    matched_stop: str | None = None  # the stop string that ended it, if any (its tokens stay in output_ids)
-    tokens_reused: int = 0  # prompt tokens taken from a saved session or a warm prefix (not computed)
-    session_tier: str | None = None  # where the session's state was found (hot / warm / cold), if it was
-    prefix_lookup: bool = False  # the warm prefixes were searched (no session state continued it)
-    prefix_tokens_reused: int = 0  # of tokens_reused, those a warm prefix held
 
 
 @dataclass
@@ -362,7 +255,7 @@ class Engine:
             admitted = [self._waiting.popleft() for _ in range(min(len(self._waiting), room))]
         for request_id in cancelled & (self._running.keys() | self._prefilling.keys()):
             sequence = self._running.get(request_id) or self._prefilling[request_id]
-            events.append(self._finish(sequence, FINISH_CANCELLED, NO_TOKEN))
+            events.append(self._finish(sequence, FinishReason.CANCELLED, NO_TOKEN))
         for request in admitted:
             sequence = self._new_sequence(request)
             if sequence.prompt_left:
@@ -574,13 +467,13 @@ class Engine:
         sequence.pending_token = token
         sampling = sequence.request.sampling
         if token in self.spec.eos_token_ids and not sampling.ignore_eos:
-            return self._finish(sequence, FINISH_STOP, token)
+            return self._finish(sequence, FinishReason.STOP, token)
         if sampling.stop:
             sequence.matched_stop = self._matched_stop(sequence.output_ids, sampling.stop)
             if sequence.matched_stop is not None:
-                return self._finish(sequence, FINISH_STOP, token)
+                return self._finish(sequence, FinishReason.STOP, token)
         if len(sequence.output_ids) >= sampling.max_tokens or sequence.cache.tokens_seen + 1 >= self.spec.max_position_embeddings:
-            return self._finish(sequence, FINISH_LENGTH, token)
+            return self._finish(sequence, FinishReason.LENGTH, token)
         return TokenEvent(sequence.request.request_id, token, finished=False, finish_reason=None)
 
     def _matched_stop(self, output_ids: list[int], stops: tuple[str, ...]) -> str | None:
@@ -590,7 +483,7 @@ class Engine:
         text = self.tokenizer.decode(tail, skip_special_tokens=True)
         return next((stop for stop in stops if stop in text), None)
 
-    def _finish(self, sequence: _Sequence, reason: str, token: int) -> TokenEvent:
+    def _finish(self, sequence: _Sequence, reason: FinishReason, token: int) -> TokenEvent:
         cache, request = sequence.cache, sequence.request
         self._running.pop(request.request_id, None)
         self._prefilling.pop(request.request_id, None)
@@ -613,7 +506,7 @@ class Engine:
         )
         if request.session_id is not None and request.end_session:
             self.close_session(request.session_id)
-        elif request.session_id is not None and reason != FINISH_CANCELLED:
+        elif request.session_id is not None and reason != FinishReason.CANCELLED:
             self._keep_session(sequence)
         self.cache_manager.free(request.request_id)
         with self._lock:
@@ -623,10 +516,10 @@ class Engine:
     def _finish_waiting(self, request: GenerationRequest) -> TokenEvent:
         """A request cancelled before it started (called under the lock)."""
         self._finished[request.request_id] = GenerationResult(
-            request.request_id, request.prompt_ids, [], FINISH_CANCELLED, budget=0, peak_kv_bytes=0,
+            request.request_id, request.prompt_ids, [], FinishReason.CANCELLED, budget=0, peak_kv_bytes=0,
             tokens_evicted=0, compression=0.0, policy=request.cache.policy,
         )
-        return TokenEvent(request.request_id, NO_TOKEN, finished=True, finish_reason=FINISH_CANCELLED)
+        return TokenEvent(request.request_id, NO_TOKEN, finished=True, finish_reason=FinishReason.CANCELLED)
 
 
 __all__ = [

@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 
     from kvpop.cache.device_store import DeviceKVStore
     from kvpop.decoder import StepOutput
-    from kvpop.engine import CacheConfig, GenerationRequest
+    from kvpop.request import CacheConfig, GenerationRequest
     from kvpop.policies import TokenScorer
 
 log = logging.getLogger(__name__)

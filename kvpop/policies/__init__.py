@@ -6,7 +6,6 @@ test matrix in tests/test_policies.py picks it up and demands a constructed evic
 
 from __future__ import annotations
 
-from dataclasses import fields
 from typing import Any
 
 from kvpop.policies.base import EvictionPolicy, StatisticsUpdate
@@ -24,13 +23,13 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
 }
 
 
-def make_policy(name: str, **options: Any) -> EvictionPolicy:
-    """Build policy `name`, passing only the options it has as fields (sinks, window, seed, scorer...)."""
+def make_policy(name: str, learned_scorers: dict[str, TokenScorer] | None = None, **options: Any) -> EvictionPolicy:
+    """Build policy `name` from request options (sinks, window, seed, scorer...): each policy takes the
+    ones it has (`EvictionPolicy.from_options`); `learned_scorers` are the engine's loaded networks (None:
+    a scorer is named by its built-in name only)."""
     if name not in POLICIES:
         raise ValueError(f"unknown eviction policy {name!r}; registered: {', '.join(POLICIES)}")
-    policy = POLICIES[name]
-    accepted = {field.name for field in fields(policy) if field.init}
-    return policy(**{key: value for key, value in options.items() if key in accepted})
+    return POLICIES[name].from_options(learned_scorers, **options)
 
 
 __all__ = [

@@ -15,7 +15,7 @@ decided, and the slot cache applies it. The contract, per sequence:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -51,6 +51,13 @@ class EvictionPolicy(ABC):
     evicts: ClassVar[bool] = True  # False only for the full cache
     needs_attention: ClassVar[bool] = False  # reads CacheUpdate.attention (the step must return it)
     span_pooling: ClassVar[str] = ""  # ranks prompt tokens by line (text_spans.py): the engine sets SlotCache.text_spans
+
+    @classmethod
+    def from_options(cls, learned_scorers: dict | None, **options: Any) -> "EvictionPolicy":
+        """The policy for a request's options: those it has as fields (the rest belong to other policies).
+        `learned_scorers`: the engine's loaded scorer networks by kind, for a policy that runs one."""
+        accepted = {field.name for field in fields(cls) if field.init}
+        return cls(**{key: value for key, value in options.items() if key in accepted})
 
     def init_state(self) -> Any:
         """A new sequence's policy state, which its cache keeps (default: none)."""

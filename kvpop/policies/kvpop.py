@@ -25,6 +25,7 @@ from kvpop.cache.slot_cache import CacheUpdate
 from kvpop.policies.base import EvictionPolicy, StatisticsUpdate
 from kvpop.policies.scorers import LeavingTokens, TokenScorer, make_scorer
 from kvpop.policies.text_spans import TextSpans
+from kvpop.scorer import LEARNED_SCORER_KINDS, learned_scorer
 
 SCORE = "kvpop_score"
 
@@ -47,6 +48,16 @@ class KVpopPolicy(EvictionPolicy):
         if not 0.0 < self.window_share <= 1.0 or self.min_window < 0:
             raise ValueError(f"kvpop: window_share must be in (0, 1] and min_window >= 0, got {self.window_share}, {self.min_window}")
         self._scorer = make_scorer(self.scorer)
+
+    @classmethod
+    def from_options(cls, learned_scorers: dict | None, **options) -> "KVpopPolicy":
+        """A learned `scorer` kind resolves to the engine's loaded network, whose protected window (the one
+        it was trained for) replaces `window`."""
+        scorer = options.get("scorer", cls.scorer)
+        if learned_scorers is not None and isinstance(scorer, str) and scorer in LEARNED_SCORER_KINDS:
+            network = learned_scorer(scorer, learned_scorers)
+            options = {**options, "scorer": network, "window": getattr(network, "window", options.get("window", cls.window))}
+        return super().from_options(learned_scorers, **options)
 
     @property
     def needs_attention(self) -> bool:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 from kvpop.cache.manager import slots_needed
 from kvpop.cache.slot_cache import GROWTH_BLOCK, round_up_slots
-from kvpop.engine import GenerationRequest
+from kvpop.request import GenerationRequest
 from kvpop.model_spec import ModelSpec
 
 

@@ -16,7 +16,8 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from kvpop.engine import NO_TOKEN, Engine, GenerationResult, TokenEvent
+from kvpop.engine import Engine
+from kvpop.request import NO_TOKEN, GenerationResult, TokenEvent
 from kvpop.serving.admission import Admission, KVPoolAdmission, OverloadedError
 from kvpop.serving.detokenizer import IncrementalDetokenizer
 from kvpop.serving.drain import DrainSignal

@@ -32,13 +32,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from kvpop.request import Tier
 from kvpop.sessions.checkpoint import SUFFIX, CheckpointError, read_checkpoint
 from kvpop.sessions.evict_policy import LRUPolicy
 from kvpop.sessions.ids import SessionKey
 from kvpop.sessions.state import SessionState
 from kvpop.sessions.writer import CheckpointWriter, WriteOutcome
 
-HOT, WARM, COLD = "hot", "warm", "cold"
+HOT, WARM, COLD = Tier.HOT, Tier.WARM, Tier.COLD
 TIERS = (HOT, WARM, COLD)
 SECRET_FILE = "session.key"
 log = logging.getLogger(__name__)

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from kvpop.cache import decode_batch
-from kvpop.engine import CacheConfig, Engine, GenerationRequest, SamplingParams
+from kvpop.engine import Engine, EngineConfig
+from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
 from kvpop.policies.kvpop import SCORE
 
 
@@ -34,13 +35,13 @@ def snapshot(engine: Engine) -> dict[str, tuple]:
     return {
         request_id[1:]: (sequence.cache.tokens_seen, sequence.cache.position.copy(), np.array(sequence.cache.key),
                          {name: stat.copy() for name, stat in sequence.cache.statistics.items()})
-        for request_id, sequence in engine._running.items()
+        for request_id, sequence in ((name, engine.sequence(name)) for name in engine.state().decoding)
     }
 
 
 def test_vectorised_decode_equals_the_per_sequence_path_step_by_step(tiny_onnx_model_dir, monkeypatch):
-    vectorised = Engine.from_model_dir(tiny_onnx_model_dir, prefill_chunk=8)
-    per_sequence = Engine.from_model_dir(tiny_onnx_model_dir, prefill_chunk=8)
+    vectorised = Engine.from_model_dir(tiny_onnx_model_dir, EngineConfig(prefill_chunk=8))
+    per_sequence = Engine.from_model_dir(tiny_onnx_model_dir, EngineConfig(prefill_chunk=8))
     per_sequence.cache_manager.batch_decode = False
     grouped = []
     original = decode_batch._append_group
@@ -70,7 +71,7 @@ def test_vectorised_decode_equals_the_per_sequence_path_step_by_step(tiny_onnx_m
 
 @pytest.mark.parametrize("kind", ["mlstm", "mlp"])
 def test_only_steady_state_kvpop_caches_are_grouped(tiny_onnx_model_dir, kind):
-    engine = Engine.from_model_dir(tiny_onnx_model_dir, prefill_chunk=8)
+    engine = Engine.from_model_dir(tiny_onnx_model_dir, EngineConfig(prefill_chunk=8))
     config = CacheConfig(policy="kvpop", budget=12, sinks=2, scorer=kind)
     cache = engine.cache_manager.allocate(GenerationRequest("a", list(range(3, 40)), SamplingParams(max_tokens=4), config)).cache
     assert decode_batch.batch_group(cache) is None  # empty: still filling up

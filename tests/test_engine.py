@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from kvpop.decoder import DecoderStep
-from kvpop.engine import CacheConfig, Engine, GenerationRequest, SamplingParams
+from kvpop.engine import Engine, EngineConfig
+from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
 from kvpop.policies import POLICIES
 from kvpop.sampling import Sampler
 
@@ -54,7 +55,7 @@ def requests(policy: str, budget: int | None, sampling: SamplingParams | None = 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_every_policy_matches_hf_greedy_when_the_budget_holds_the_sequence(decoder, hf_greedy, policy):
-    engine = Engine(decoder, max_batch_size=8, prefill_chunk=4)  # chunked prefill, batched decode
+    engine = Engine(decoder, EngineConfig(max_batch_size=8, prefill_chunk=4))  # chunked prefill, batched decode
     results = engine.generate(requests(policy, budget=64))
     assert [result.output_ids for result in results] == hf_greedy
     assert all(result.tokens_evicted == 0 for result in results)
@@ -70,8 +71,8 @@ def test_compression_zero_is_the_full_cache(decoder, hf_greedy):
 
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_batched_equals_alone_under_eviction(decoder, policy):
-    batched = Engine(decoder, max_batch_size=8, prefill_chunk=8).generate(requests(policy, budget=10))
-    alone = [Engine(decoder, max_batch_size=1, prefill_chunk=8).generate([request])[0] for request in requests(policy, budget=10)]
+    batched = Engine(decoder, EngineConfig(max_batch_size=8, prefill_chunk=8)).generate(requests(policy, budget=10))
+    alone = [Engine(decoder, EngineConfig(max_batch_size=1, prefill_chunk=8)).generate([request])[0] for request in requests(policy, budget=10)]
     assert [r.output_ids for r in batched] == [r.output_ids for r in alone]
     if policy != "full":
         assert all(r.budget == 10 and r.peak_kv_bytes == 10 * decoder.spec.kv_bytes_per_token for r in batched)
@@ -82,7 +83,7 @@ def test_mixed_policies_and_budgets_share_a_batch_and_join_in_flight(decoder):
     mixed = [GenerationRequest(f"m{i}", PROMPTS[i % 3], SamplingParams(max_tokens=10 + 3 * i), cache_config(policy, 6 + i))
              for i, policy in enumerate(POLICIES)]
     alone = [Engine(decoder).generate([request])[0].output_ids for request in mixed]
-    engine = Engine(decoder, max_batch_size=3)  # fewer slots than requests: later ones join as others finish
+    engine = Engine(decoder, EngineConfig(max_batch_size=3))  # fewer slots than requests: later ones join as others finish
     engine.add_request(mixed[0])
     engine.step()
     for request in mixed[1:]:
@@ -101,8 +102,8 @@ def test_device_resident_cache_gives_the_same_tokens_and_moves_only_written_slot
     assert resident.device_store is not None and decoder.device_store is None  # CPU default: host arrays
     mixed = [GenerationRequest(f"r{i}", PROMPTS[i % 3], SamplingParams(max_tokens=12 + 2 * i), cache_config(policy, 7 + i))
              for i, policy in enumerate(POLICIES)]
-    expected = Engine(decoder, max_batch_size=3).generate(mixed)
-    got = Engine(resident, max_batch_size=3).generate(mixed)
+    expected = Engine(decoder, EngineConfig(max_batch_size=3)).generate(mixed)
+    got = Engine(resident, EngineConfig(max_batch_size=3)).generate(mixed)
     assert [r.output_ids for r in got] == [r.output_ids for r in expected]
     store = resident.device_store
     assert store.slot_writes > 0
@@ -113,7 +114,7 @@ def test_device_resident_cache_gives_the_same_tokens_and_moves_only_written_slot
 def test_seeded_sampling_is_reproducible_alone_and_batched(decoder):
     sampling = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=123, max_tokens=16)
     first = Engine(decoder).generate(requests("h2o", 10, sampling, tag="a"))
-    again = Engine(decoder, max_batch_size=1).generate(requests("h2o", 10, sampling, tag="b"))
+    again = Engine(decoder, EngineConfig(max_batch_size=1)).generate(requests("h2o", 10, sampling, tag="b"))
     assert [r.output_ids for r in first] == [r.output_ids for r in again]
     other_seed = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=124, max_tokens=16)
     assert Engine(decoder).generate(requests("h2o", 10, other_seed))[0].output_ids != first[0].output_ids
@@ -145,7 +146,7 @@ def test_stops_on_eos_stop_string_and_max_tokens(decoder, tokenizer, hf_greedy):
 
 
 def test_cancel_and_add_from_another_thread(decoder):
-    engine = Engine(decoder, max_batch_size=2)
+    engine = Engine(decoder, EngineConfig(max_batch_size=2))
     engine.add_request(GenerationRequest("long", PROMPTS[0], SamplingParams(max_tokens=1000), cache_config("streaming", 8)))
     engine.add_request(GenerationRequest("queued", PROMPTS[1], SamplingParams(max_tokens=1000), cache_config("streaming", 8)))
     engine.add_request(GenerationRequest("never", PROMPTS[1], SamplingParams(max_tokens=5)))
@@ -248,7 +249,7 @@ def test_wilson_interval_and_paired_counts():
 
 @pytest.mark.parametrize("kind", ["mlstm", "mlp"])
 def test_learned_scorers_load_with_the_model_and_bound_the_cache(tiny_onnx_model_dir, hf_greedy, kind):
-    engine = Engine.from_model_dir(tiny_onnx_model_dir, prefill_chunk=4)
+    engine = Engine.from_model_dir(tiny_onnx_model_dir, EngineConfig(prefill_chunk=4))
     assert set(engine.learned_scorers) == {"mlstm", "mlp"}
     roomy = CacheConfig(policy="kvpop", budget=64, scorer=kind)
     results = engine.generate([GenerationRequest(f"{kind}-{i}", p, SamplingParams(max_tokens=NEW_TOKENS), roomy)
@@ -283,7 +284,7 @@ def test_every_policy_matches_hf_greedy_on_the_reference_model(reference_onnx_mo
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
                                  pad_token_id=model.config.pad_token_id)
             expected.append(out[0, len(prompt):].tolist())
-    engine = Engine(DecoderStep(reference_onnx_model_dir), max_batch_size=8, prefill_chunk=64)
+    engine = Engine(DecoderStep(reference_onnx_model_dir), EngineConfig(max_batch_size=8, prefill_chunk=64))
     for policy in POLICIES:
         config = CacheConfig(policy=policy, budget=None if policy == "full" else 512)
         results = engine.generate([GenerationRequest(f"{policy}-{i}", p, SamplingParams(max_tokens=12), config)

@@ -10,7 +10,8 @@ import pytest
 from kvpop.cache import SlotCache
 from kvpop.cache.manager import append_output
 from kvpop.decoder import DecoderStep
-from kvpop.engine import CacheConfig, Engine, GenerationRequest, SamplingParams
+from kvpop.engine import Engine, EngineConfig
+from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
 from kvpop.sessions import COLD, HOT, SessionStore, TierLimits, model_fingerprint
 
 TURNS = 10
@@ -33,8 +34,8 @@ def run(engine: Engine, request_id: str, prompt: list[int], cache: CacheConfig, 
 
 
 def test_ten_turns_with_a_session_equal_sending_the_whole_history(decoder, tiny_onnx_model_dir, tmp_path):
-    with_sessions = Engine(decoder, sessions=make_store(tiny_onnx_model_dir, tmp_path), prefill_chunk=16)
-    cold = Engine(decoder, prefill_chunk=16)
+    with_sessions = Engine(decoder, EngineConfig(prefill_chunk=16), sessions=make_store(tiny_onnx_model_dir, tmp_path))
+    cold = Engine(decoder, EngineConfig(prefill_chunk=16))
     history: list[int] = []
     for turn in range(TURNS):
         prompt = history + user_turn(turn)
@@ -80,7 +81,7 @@ def one_long_sequence(decoder: DecoderStep, cache: SlotCache, segments, chunk: i
 @pytest.mark.parametrize("policy", ["streaming", "h2o", "tova", "random", "kvpop"])
 def test_a_bounded_session_continues_the_cache_of_one_long_sequence(decoder, tiny_onnx_model_dir, tmp_path, policy):
     config = CacheConfig(policy=policy, budget=24, sinks=2, window=4, seed=7)
-    engine = Engine(decoder, sessions=make_store(tiny_onnx_model_dir, tmp_path), prefill_chunk=16)
+    engine = Engine(decoder, EngineConfig(prefill_chunk=16), sessions=make_store(tiny_onnx_model_dir, tmp_path))
     prompt = user_turn(0)
     first = run(engine, "t1", prompt, config, session_id="long")
     second_prompt = prompt + first.output_ids + user_turn(1)
@@ -100,7 +101,7 @@ def test_a_bounded_session_continues_the_cache_of_one_long_sequence(decoder, tin
     third_prompt = second_prompt + second.output_ids + user_turn(2)
     expected = run(engine, "t3", third_prompt, config, session_id="long")
     assert engine.sessions.close(timeout=30)  # the first server stops: its last checkpoint is written
-    restarted = Engine(decoder, sessions=make_store(tiny_onnx_model_dir, tmp_path, hot=0, warm=0), prefill_chunk=16)
+    restarted = Engine(decoder, EngineConfig(prefill_chunk=16), sessions=make_store(tiny_onnx_model_dir, tmp_path, hot=0, warm=0))
     restarted.sessions.put("long", saved)  # the state as it was after turn 2 (t3 moved it on)
     assert restarted.sessions.flush(timeout=30)  # on disk only: the turn reads the checkpoint
     again = run(restarted, "t3", third_prompt, config, session_id="long")

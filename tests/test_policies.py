@@ -123,7 +123,7 @@ class _WindowedScorer(AccumulatedAttentionScorer):
 
 def test_a_learned_scorer_is_a_kvpop_only_option():
     """A service passes its kvpop scorer with every request: no other policy may change with it."""
-    from kvpop.engine import CacheConfig
+    from kvpop.request import CacheConfig
     from kvpop.scorer import LEARNED_SCORER_KINDS
     from kvpop_train.scorer.network import KINDS
 
@@ -146,8 +146,8 @@ def test_observe_returns_its_decision_and_leaves_the_cache_alone(name):
     """The policy contract (kvpop.policies.base): `observe` only reads the cache and returns a
     StatisticsUpdate (every statistic for the new tokens, new values for changed cached slots), which
     the cache applies; `init_state` returns the state the cache keeps."""
-    from kvpop.cache import CacheUpdate
-    from kvpop.policies import StatisticsUpdate
+    from kvpop.kvtypes import CacheUpdate
+    from kvpop.kvtypes import StatisticsUpdate
 
     cache = new_cache(name)
     feed_constructed(cache, 6)  # kvpop: tokens 4 and 5 leave its window with the next two tokens

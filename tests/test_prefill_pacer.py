@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpop.prefill_pacer import PrefillPacer
+from kvpop.engine.prefill_pacer import PrefillPacer
 
 
 def test_it_starts_small_and_converges_on_the_target_share_of_a_decode_step():

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from kvpop.cache.prefix_cache import PrefixCache
-from kvpop.engine import CacheConfig, Engine, GenerationRequest, SamplingParams, load_learned_scorers
+from kvpop.engine import Engine, EngineConfig, load_learned_scorers
+from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
 
 CHUNK = 8
 REPLY = 10
@@ -33,9 +34,9 @@ def request(request_id: str, prompt: list[int], cache: CacheConfig) -> Generatio
 
 def engines(decoder, scorers, cache: CacheConfig) -> tuple[Engine, Engine, int]:
     """(an engine with PREFIX warm, a cold one, the prefix tokens kept)."""
-    warm = Engine(decoder, prefill_chunk=CHUNK, learned_scorers=scorers, prefixes=PrefixCache())
+    warm = Engine(decoder, EngineConfig(prefill_chunk=CHUNK), learned_scorers=scorers, prefixes=PrefixCache())
     kept = warm.warm_prefix(PREFIX, cache)
-    return warm, Engine(decoder, prefill_chunk=CHUNK, learned_scorers=scorers), kept
+    return warm, Engine(decoder, EngineConfig(prefill_chunk=CHUNK), learned_scorers=scorers), kept
 
 
 def test_full_reuses_the_whole_prefix_and_gives_the_cold_tokens(decoder, scorers):
@@ -67,9 +68,9 @@ def test_a_bounded_prefix_is_chunk_aligned_and_equals_a_cold_prefill(decoder, sc
     assert kept == 40  # 5 whole chunks; the prefix is longer than the budget, so it already evicted
     prompt = PREFIX + tokens(20, 13)
     # The cache after the whole prompt (and the first token's logits): the same state, the same evictions.
-    mine, theirs = warm._prefill(request("p", prompt, cache)), cold._prefill(request("p", prompt, cache))
+    mine, theirs = warm.prefill(request("p", prompt, cache)), cold.prefill(request("p", prompt, cache))
     assert mine.allocation.prefix_tokens_reused == kept and theirs.allocation.prefix_tokens_reused == 0
-    assert mine.cache.tokens_seen == theirs.cache.tokens_seen and mine.pending_token == theirs.pending_token
+    assert mine.cache.tokens_seen == theirs.cache.tokens_seen and mine.next_token == theirs.next_token
     np.testing.assert_array_equal(mine.cache.position, theirs.cache.position)
     np.testing.assert_allclose(mine.cache.key, theirs.cache.key, rtol=0, atol=1e-6)
     for stat in theirs.cache.statistics:
@@ -97,7 +98,7 @@ def test_requests_start_from_copies_and_never_change_the_snapshot(decoder, score
 
 
 def test_a_compression_ratio_has_no_fixed_budget_to_warm(decoder, scorers):
-    engine = Engine(decoder, prefill_chunk=CHUNK)
+    engine = Engine(decoder, EngineConfig(prefill_chunk=CHUNK))
     with pytest.raises(ValueError, match="fixed budget"):
         engine.warm_prefix(PREFIX, CacheConfig(policy="h2o", compression=0.5))
     assert engine.warm_prefix(PREFIX[:5], CacheConfig(policy="h2o", budget=24)) == 0  # not one whole chunk

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from kvpop.decoder import DecoderStep, variant_paths
-from kvpop.engine import CacheConfig, Engine, GenerationRequest, SamplingParams
+from kvpop.engine import Engine, EngineConfig, Phase
+from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
 from kvpop.policies import POLICIES
 
 RUNNING_PROMPTS = [[0, 5, 17, 99, 23], [0, 250, 3], [0, 9, 8, 7, 6, 5, 4]]
@@ -30,7 +31,7 @@ def streams_and_a_long_prompt(decoder, policy: str):
     output when it runs alone."""
     streams = [request(f"s{i}", prompt, policy, 40) for i, prompt in enumerate(RUNNING_PROMPTS)]
     long = request("long", LONG_PROMPT, policy, 6)
-    alone = {r.request_id: Engine(decoder, prefill_chunk=8).generate([r])[0].output_ids for r in [*streams, long]}
+    alone = {r.request_id: Engine(decoder, EngineConfig(prefill_chunk=8)).generate([r])[0].output_ids for r in [*streams, long]}
     return streams, long, alone
 
 
@@ -41,7 +42,7 @@ def test_long_prefill_interleaves_with_running_streams(decoder, policy):
     output (the running streams' and the long prompt's) equals the output of that request alone."""
     streams, long, alone = streams_and_a_long_prompt(decoder, policy)
 
-    engine = Engine(decoder, max_batch_size=4, prefill_chunk=8, max_step_tokens=8)
+    engine = Engine(decoder, EngineConfig(max_batch_size=4, prefill_chunk=8, max_step_tokens=8))
     for stream in streams:
         engine.add_request(stream)
     for _ in range(3):  # the three streams are decoding
@@ -49,10 +50,10 @@ def test_long_prefill_interleaves_with_running_streams(decoder, policy):
     engine.add_request(long)
     fed, steps_while_prefilling = [0], 0
     while engine.has_unfinished():
-        running_before = [s.request_id for s in streams if s.request_id in engine._running]
+        running_before = [s.request_id for s in streams if s.request_id in engine.state().decoding]
         events = engine.step()
         got_token = {event.request_id for event in events}
-        sequence = engine._prefilling.get("long")
+        sequence = prefilling(engine, "long")
         if sequence is not None or "long" in got_token and not fed[-1] == len(LONG_PROMPT):
             prefilled = sequence.prefilled if sequence is not None else len(LONG_PROMPT)
             assert prefilled - fed[-1] <= 8  # the per-step token budget
@@ -64,11 +65,17 @@ def test_long_prefill_interleaves_with_running_streams(decoder, policy):
         assert engine.result(r.request_id).output_ids == alone[r.request_id], r.request_id
 
 
+def prefilling(engine: Engine, name: str):
+    """Request `name`'s state while its prompt is being fed, else None."""
+    state = engine.sequence(name)
+    return state if state is not None and state.phase == Phase.PREFILLING else None
+
+
 def prefilled_cache(engine: Engine, name: str):
     """Step `engine` until request `name`'s prompt is in; its cache then."""
-    while name not in engine._running:
+    while name not in engine.state().decoding:
         engine.step()
-    return engine._running[name].cache
+    return engine.sequence(name).cache
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
@@ -76,24 +83,24 @@ def test_a_chunk_cut_in_pieces_enters_the_cache_as_one(decoder, policy):
     """A step budget (3 tokens) smaller than the chunk (8) while streams decode: the long prompt is
     computed in pieces of at most 3 tokens per step, every running stream still gets a token at every
     step, and the prompt's cache (what each head kept, its keys, the policy's statistics) and every
-    answer are those of whole chunks (kvpop.cache.staged_chunk)."""
-    whole = Engine(decoder, prefill_chunk=8)
+    answer are those of whole chunks (kvpop.kvtypes.StagedChunk)."""
+    whole = Engine(decoder, EngineConfig(prefill_chunk=8))
     whole.add_request(request("long", LONG_PROMPT, policy, 6))
     expected = prefilled_cache(whole, "long")
     streams = [request(f"s{i}", prompt, policy, 60) for i, prompt in enumerate(RUNNING_PROMPTS)]
-    engine = Engine(decoder, max_batch_size=4, prefill_chunk=8, max_step_tokens=3)
+    engine = Engine(decoder, EngineConfig(max_batch_size=4, prefill_chunk=8, max_step_tokens=3))
     for stream in streams:
         engine.add_request(stream)
     engine.step()
     engine.add_request(request("long", LONG_PROMPT, policy, 6))
     fed = 0
-    while "long" not in engine._running:
-        running = set(engine._running)
+    while "long" not in engine.state().decoding:
+        running = set(engine.state().decoding)
         got_token = {event.request_id for event in engine.step()}
-        sequence = engine._prefilling.get("long") or engine._running.get("long")
+        sequence = engine.sequence("long")
         assert sequence.prefilled - fed <= 3 and running <= got_token
         fed = sequence.prefilled
-    cache = engine._running["long"].cache
+    cache = engine.sequence("long").cache
     np.testing.assert_array_equal(cache.position, expected.position)
     np.testing.assert_allclose(cache.key, expected.key, atol=1e-5)
     assert cache.statistics.keys() == expected.statistics.keys()
@@ -102,7 +109,7 @@ def test_a_chunk_cut_in_pieces_enters_the_cache_as_one(decoder, policy):
     while engine.has_unfinished() or whole.has_unfinished():
         engine.step(), whole.step()
     assert engine.result("long").output_ids == whole.result("long").output_ids
-    alone = Engine(decoder, prefill_chunk=8).generate([request("s0", RUNNING_PROMPTS[0], policy, 60)])[0]
+    alone = Engine(decoder, EngineConfig(prefill_chunk=8)).generate([request("s0", RUNNING_PROMPTS[0], policy, 60)])[0]
     assert engine.result("s0").output_ids == alone.output_ids
 
 
@@ -112,8 +119,8 @@ def test_prefill_chunks_of_several_prompts_are_batched(decoder, policy):
     (stacked, padded caches) and give the same tokens as each prompt alone."""
     prompts = [LONG_PROMPT[:40], LONG_PROMPT[10:50], LONG_PROMPT[:27], [0, 4, 5]]
     batch = [request(f"p{i}", prompt, policy, 10) for i, prompt in enumerate(prompts)]
-    alone = [Engine(decoder, prefill_chunk=8).generate([r])[0].output_ids for r in batch]
-    engine = Engine(decoder, max_batch_size=4, prefill_chunk=8, max_step_tokens=32)
+    alone = [Engine(decoder, EngineConfig(prefill_chunk=8)).generate([r])[0].output_ids for r in batch]
+    engine = Engine(decoder, EngineConfig(max_batch_size=4, prefill_chunk=8, max_step_tokens=32))
     calls = []
     original = engine.decoder.run
 
@@ -121,8 +128,9 @@ def test_prefill_chunks_of_several_prompts_are_batched(decoder, policy):
         calls.append(input_ids.shape)
         return original(input_ids, *args, **kwargs)
 
-    engine.decoder = type("Counting", (), {"run": staticmethod(counting_run), "spec": decoder.spec,
-                                           "empty_cache": decoder.empty_cache, "has_mixed_step": False})()
+    engine.runner.decoder = type("Counting", (), {"run": staticmethod(counting_run), "spec": decoder.spec,
+                                                  "empty_cache": decoder.empty_cache})()
+    engine.scheduler.has_mixed_step = False
     assert [r.output_ids for r in engine.generate(batch)] == alone
     assert any(batch_size > 1 and tokens == 8 for batch_size, tokens in calls)  # a batched prefill call
 
@@ -162,10 +170,10 @@ def test_lean_variants_return_only_what_the_policies_read(tiny_onnx_model_dir, d
 def test_a_small_budget_prefills_in_chunks_of_at_least_the_floor(decoder, monkeypatch, floor):
     """`min_bounded_chunk` (the service's min_prefill_chunk_tokens) sets how many prompt tokens a
     bounded cache takes per call; the cache it keeps stays at its budget."""
-    engine = Engine(decoder, prefill_chunk=256, min_bounded_chunk=floor)
+    engine = Engine(decoder, EngineConfig(prefill_chunk=256, min_bounded_chunk=floor))
     chunks = []
-    run_chunk = engine._run_piece
-    monkeypatch.setattr(engine, "_run_piece", lambda sequences, length: (chunks.append(length), run_chunk(sequences, length))[1])
+    run_chunk = engine.runner.prompt_piece
+    monkeypatch.setattr(engine.runner, "prompt_piece", lambda sequences, length: (chunks.append(length), run_chunk(sequences, length))[1])
     result, = engine.generate([request("small", LONG_PROMPT, "streaming", max_tokens=4)])
     expected = [12] * 8 if floor == 1 else [32, 32, 32]  # 96 prompt tokens, budget 12
     assert chunks == expected
@@ -174,23 +182,23 @@ def test_a_small_budget_prefills_in_chunks_of_at_least_the_floor(decoder, monkey
 
 @pytest.mark.parametrize("policy", ["full", "kvpop"])
 def test_paced_prefill_changes_when_tokens_arrive_not_which(decoder, policy):
-    """With prefill pacing (kvpop.prefill_pacer) the long prompt is fed in pieces sized from measured
+    """With prefill pacing (kvpop.engine.prefill_pacer) the long prompt is fed in pieces sized from measured
     step times while streams decode; every answer is still the one of that request alone."""
     streams, long, alone = streams_and_a_long_prompt(decoder, policy)
-    engine = Engine(decoder, max_batch_size=4, prefill_chunk=32, prefill_pacing=1.0)
+    engine = Engine(decoder, EngineConfig(max_batch_size=4, prefill_chunk=32, prefill_pacing=1.0))
     for stream in streams:
         engine.add_request(stream)
     engine.step()
     engine.add_request(long)
     fed = []
-    while "long" not in engine._running and engine.has_unfinished():
+    while "long" not in engine.state().decoding and engine.has_unfinished():
         engine.step()
-        sequence = engine._prefilling.get("long") or engine._running.get("long")
+        sequence = engine.sequence("long")
         fed.append(sequence.prefilled)
-    assert fed[0] == engine.pacer.min_tokens  # it starts small beside running streams
+    assert fed[0] == engine.scheduler.pacer.min_tokens  # it starts small beside running streams
     while engine.has_unfinished():
         engine.step()
-    reference = Engine(decoder, prefill_chunk=32).generate([long])[0].output_ids
+    reference = Engine(decoder, EngineConfig(prefill_chunk=32)).generate([long])[0].output_ids
     assert engine.result("long").output_ids == reference
     for stream in streams:
         assert engine.result(stream.request_id).output_ids == alone[stream.request_id]
@@ -201,7 +209,7 @@ def test_a_step_ends_when_its_leftover_budget_is_too_small_for_a_piece(decoder):
     left start no piece (MIN_PIECE_TOKENS), and the step ends instead of looking for one forever."""
     import threading
 
-    engine = Engine(decoder, max_batch_size=4, prefill_chunk=256, max_step_tokens=20)
+    engine = Engine(decoder, EngineConfig(max_batch_size=4, prefill_chunk=256, max_step_tokens=20))
     engine.add_request(request("stream", RUNNING_PROMPTS[0], "streaming", 40))
     engine.step()  # decoding: the step budget is max_step_tokens
     batch = [request(f"b{i}", LONG_PROMPT[: 40 + i], "streaming", 4) for i in range(2)]
@@ -218,20 +226,20 @@ def test_the_step_that_ends_the_last_stream_keeps_the_step_budget(decoder):
     """A stream's last token leaves with its step's events, so that step's prompt work stays within
     `max_step_tokens` too (before: every stream having finished, the step fed a whole chunk and the
     last token waited for it, the worst gap a running stream saw)."""
-    engine = Engine(decoder, max_batch_size=4, prefill_chunk=64, max_step_tokens=8)
+    engine = Engine(decoder, EngineConfig(max_batch_size=4, prefill_chunk=64, max_step_tokens=8))
     engine.add_request(request("stream", RUNNING_PROMPTS[0], "full", 3))
     engine.step()  # prompt in, token 1
     engine.add_request(request("long", LONG_PROMPT, "full", 2))
     finished = False
     while not finished:
-        before = engine._prefilling["long"].prefilled if "long" in engine._prefilling else 0
+        before = engine.sequence("long").prefilled if "long" in engine.state().prefilling else 0
         events = engine.step()
         finished = any(event.request_id == "stream" and event.finished for event in events)
-        after = engine._prefilling["long"].prefilled if "long" in engine._prefilling else len(LONG_PROMPT)
+        after = engine.sequence("long").prefilled if "long" in engine.state().prefilling else len(LONG_PROMPT)
         assert after - before <= 8
-    assert "long" in engine._prefilling  # the next step, with nothing decoding, takes a whole chunk
+    assert "long" in engine.state().prefilling  # the next step, with nothing decoding, takes a whole chunk
     engine.step()
-    assert engine._prefilling["long"].prefilled > 16
+    assert engine.sequence("long").prefilled > 16
 
 
 def counted(decoder: DecoderStep) -> dict[str, int]:
@@ -265,7 +273,7 @@ def test_the_decode_step_and_a_prompt_piece_share_one_mixed_call(tiny_onnx_model
         decoder = DecoderStep(tiny_onnx_model_dir, threads=1, mixed=mixed)
         assert decoder.has_mixed_step == mixed
         calls = counted(decoder)
-        engine = Engine(decoder, max_batch_size=4, prefill_chunk=8, max_step_tokens=8, learned_scorers=scorers)
+        engine = Engine(decoder, EngineConfig(max_batch_size=4, prefill_chunk=8, max_step_tokens=8), learned_scorers=scorers)
         streams = [GenerationRequest(f"s{i}", prompt, SamplingParams(max_tokens=30, ignore_eos=True), config)
                    for i, prompt in enumerate(RUNNING_PROMPTS)]
         for stream in streams:
@@ -304,10 +312,10 @@ def test_a_learned_scorer_takes_a_staged_chunk_in_piece_by_piece(tiny_onnx_model
     config = CacheConfig(policy="kvpop", budget=24, sinks=2, scorer="mlstm")
     long = lambda: GenerationRequest("long", LONG_PROMPT, SamplingParams(max_tokens=6, ignore_eos=True), config)  # noqa: E731
     decoder = DecoderStep(tiny_onnx_model_dir, threads=1)
-    whole = Engine(decoder, prefill_chunk=24, learned_scorers=scorers)
+    whole = Engine(decoder, EngineConfig(prefill_chunk=24), learned_scorers=scorers)
     whole.add_request(long())
     expected = prefilled_cache(whole, "long")
-    engine = Engine(decoder, max_batch_size=4, prefill_chunk=24, max_step_tokens=5, learned_scorers=scorers)
+    engine = Engine(decoder, EngineConfig(max_batch_size=4, prefill_chunk=24, max_step_tokens=5), learned_scorers=scorers)
     streams = CacheConfig(policy="streaming", budget=24, sinks=2)  # no scorer calls of their own to count
     for i, prompt in enumerate(RUNNING_PROMPTS):
         engine.add_request(GenerationRequest(f"s{i}", prompt, SamplingParams(max_tokens=60, ignore_eos=True), streams))
@@ -318,18 +326,18 @@ def test_a_learned_scorer_takes_a_staged_chunk_in_piece_by_piece(tiny_onnx_model
     runtime.step = lambda *args, **kwargs: (calls.append(args[1].shape[2]), original(*args, **kwargs))[1]  # rows per call
     try:
         completions = 0
-        while "long" not in engine._running:
-            sequence = engine._prefilling.get("long")
-            staged_before = 0 if sequence is None or sequence.staged is None else sequence.staged.length
+        while "long" not in engine.state().decoding:
+            sequence = prefilling(engine, "long")
+            staged_before = 0 if sequence is None else sequence.staged_tokens
             calls.clear()
             engine.step()
-            if staged_before and sequence.staged is None:  # this step completed a chunk cut in pieces
+            if staged_before and engine.sequence("long").staged_tokens == 0:  # this step completed a chunk cut in pieces
                 completions += 1
                 assert max(calls, default=0) <= 5  # only this step's piece went through the scorer
     finally:
         runtime.step = original
     assert completions >= 2
-    cache = engine._running["long"].cache
+    cache = engine.sequence("long").cache
     np.testing.assert_array_equal(cache.position, expected.position)
     np.testing.assert_allclose(cache.key, expected.key, atol=1e-5)
     np.testing.assert_allclose(cache.statistics[SCORE], expected.statistics[SCORE], atol=1e-4)

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from kvpop.decoder import DecoderStep
-from kvpop.engine import CacheConfig, Engine, GenerationRequest, SamplingParams, load_learned_scorers
+from kvpop.engine import Engine, EngineConfig, load_learned_scorers
+from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
 from kvpop.policies.kvpop import SCORE
 from kvpop.scorer.runtime import LearnedScorer
 
@@ -56,7 +57,7 @@ def run(engine: Engine, requests: list[GenerationRequest], watch: str) -> tuple[
         engine.add_request(request)
     last = None
     while engine.has_unfinished():
-        sequence = engine._running.get(watch)
+        sequence = engine.sequence(watch) if watch in engine.state().decoding else None
         if sequence is not None:
             last = (sequence.cache.position.copy(), sequence.cache.statistics.get(SCORE, np.zeros(0)).copy())
         engine.step()
@@ -71,8 +72,8 @@ def request(name: str, prompt: list[int], max_tokens: int, config: CacheConfig) 
 def test_a_cache_that_never_evicts_never_runs_the_scorer(decoder, scorers, kind, monkeypatch):
     calls = count_scorer_calls(scorers[kind], monkeypatch)
     config = CacheConfig(policy="kvpop", budget=64, sinks=2, scorer=kind)  # 48 + 12 tokens fit
-    output, position, score = run(Engine(decoder, prefill_chunk=16, learned_scorers=scorers), [request("a", PROMPT, 12, config)], "a")
-    full = Engine(decoder, prefill_chunk=16).generate([request("f", PROMPT, 12, CacheConfig(policy="full"))])[0]
+    output, position, score = run(Engine(decoder, EngineConfig(prefill_chunk=16), learned_scorers=scorers), [request("a", PROMPT, 12, config)], "a")
+    full = Engine(decoder, EngineConfig(prefill_chunk=16)).generate([request("f", PROMPT, 12, CacheConfig(policy="full"))])[0]
     assert calls == []
     assert output == full.output_ids
     assert not score.any()
@@ -83,9 +84,9 @@ def test_no_long_range_slot_means_streaming_and_no_scorer_call(decoder, scorers,
     window = scorers[kind].window
     calls = count_scorer_calls(scorers[kind], monkeypatch)
     budget = 2 + window  # sinks + the scorer's window: nothing is kept by score
-    kvpop = run(Engine(decoder, prefill_chunk=16, learned_scorers=scorers),
+    kvpop = run(Engine(decoder, EngineConfig(prefill_chunk=16), learned_scorers=scorers),
                 [request("k", PROMPT, 20, CacheConfig(policy="kvpop", budget=budget, sinks=2, scorer=kind))], "k")
-    streaming = run(Engine(decoder, prefill_chunk=16),
+    streaming = run(Engine(decoder, EngineConfig(prefill_chunk=16)),
                     [request("s", PROMPT, 20, CacheConfig(policy="streaming", budget=budget, sinks=2))], "s")
     assert calls == []
     assert kvpop[0] == streaming[0]
@@ -108,8 +109,7 @@ def test_a_scorer_catching_up_decides_as_one_that_kept_pace(decoder, scorers, ki
     config = CacheConfig(policy="kvpop", budget=case["budget"], sinks=2, scorer=kind)
 
     def outcome(learned_scorers):
-        engine = Engine(decoder, max_batch_size=4, prefill_chunk=case["prefill_chunk"],
-                        max_step_tokens=case["max_step_tokens"], learned_scorers=learned_scorers)
+        engine = Engine(decoder, EngineConfig(max_batch_size=4, prefill_chunk=case["prefill_chunk"], max_step_tokens=case["max_step_tokens"]), learned_scorers=learned_scorers)
         running = [request(f"s{i}", prompt, 40, config) for i, prompt in enumerate(RUNNING_PROMPTS)] if case["running"] else []
         for stream in running:
             engine.add_request(stream)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from kvpop.engine import CacheConfig, GenerationRequest, SamplingParams
+from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
 from kvpop.model_spec import ModelSpec
 from kvpop.serving.admission import AdmissionPolicy, KVPoolAdmission
 from kvpop.serving.config import ServiceConfig

@@ -119,14 +119,14 @@ def test_policy_keeps_whole_lines_and_ranks_them_by_their_mean(line_scorer_dir, 
         policy = KVpopPolicy(sinks=2, window=scorer.window, scorer=scorer)
         cache = SlotCache(spec, policy, budget=40)
         if pooled:
-            cache.text_spans = TextSpans.of_prompt(prompt, breaks, scorer.span_pooling)
+            cache.prompt_state = TextSpans.of_prompt(prompt, breaks, scorer.span_pooling)
         out = decoder.run(np.array([prompt]), np.arange(len(prompt))[None], *decoder.empty_cache(), last_only=True, attention=False)
         cache.append(out.new_key[:, 0], out.new_value[:, 0], None, None)
         held = np.sort(cache.position, axis=2).reshape(-1, cache.capacity)
         assert (held == held[0]).all()  # one shared ranking: every cache the same tokens
         kept[name] = held[0]
         if pooled:
-            spans = cache.text_spans
+            spans = cache.prompt_state
             scored = np.flatnonzero(~np.isnan(spans.own))  # positions 2 .. 111 left the window
             assert scored.tolist() == list(range(2, len(prompt) - scorer.window))
             long_range = [p for p in held[0] if 2 <= p < len(prompt) - scorer.window]
@@ -146,7 +146,8 @@ def test_engine_pools_lines_alike_in_the_decode_batch_and_one_by_one(tiny_onnx_m
     answers with the batch path on and off, alone and beside other requests."""
     from transformers import AutoTokenizer
 
-    from kvpop.engine import CacheConfig, Engine, GenerationRequest, SamplingParams
+    from kvpop.engine import Engine, EngineConfig
+    from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
     from kvpop.policies.kvpop import KVpopPolicy
     from kvpop.scorer.runtime import LearnedScorer
 
@@ -160,12 +161,12 @@ def test_engine_pools_lines_alike_in_the_decode_batch_and_one_by_one(tiny_onnx_m
 
     def spy(self, cache):
         in_batch = decodes_in_batch(self, cache)
-        if in_batch and cache.text_spans is not None and cache.tokens_seen - self.window < cache.text_spans.prompt_length:
+        if in_batch and cache.prompt_state is not None and cache.tokens_seen - self.window < cache.prompt_state.prompt_length:
             batched_while_prompt_leaves.append(cache.tokens_seen)
         return in_batch
 
     def run(batch: list[int]) -> dict[int, list[int]]:
-        engine = Engine(decoder, tokenizer=tokenizer, prefill_chunk=32, learned_scorers=scorers)
+        engine = Engine(decoder, EngineConfig(prefill_chunk=32), tokenizer=tokenizer, learned_scorers=scorers)
         requests = [GenerationRequest(f"r{i}", prompts[i], SamplingParams(max_tokens=24, ignore_eos=True), config) for i in batch]
         return {int(result.request_id[1:]): result.output_ids for result in engine.generate(requests)}
 

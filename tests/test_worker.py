@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from kvpop.decoder import DecoderStep
-from kvpop.engine import CacheConfig, Engine, GenerationRequest, SamplingParams
+from kvpop.engine import Engine, EngineConfig
+from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
 from kvpop.model_spec import ModelSpec
 from kvpop.serving.admission import AdmissionPolicy, KVPoolAdmission, OverloadedError
 from kvpop.serving.request import ParsedRequest
@@ -49,7 +50,7 @@ def worker(tiny_onnx_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_onnx_model_dir / "tokenizer")
     spec = ModelSpec.load(tiny_onnx_model_dir)
     admission = KVPoolAdmission(AdmissionPolicy(1024 * spec.kv_bytes_per_token, 64, 1), spec)
-    worker = EngineWorker(lambda: Engine(decoder, tokenizer), tokenizer, admission, idle_wait=0.01).start()
+    worker = EngineWorker(lambda: Engine(decoder, tokenizer=tokenizer), tokenizer, admission, idle_wait=0.01).start()
     yield worker
     worker.stop()
 
@@ -173,7 +174,7 @@ def test_a_prompt_fed_in_several_chunks_never_waits_idle(tiny_onnx_model_dir, mo
     real_sleep = time.sleep
     monkeypatch.setattr(worker_module.time, "sleep", lambda seconds: (idle_waits.append(seconds), real_sleep(seconds)))
     worker = EngineWorker(
-        lambda: Engine(decoder, tokenizer, prefill_chunk=8), tokenizer, admission, idle_wait=0.01
+        lambda: Engine(decoder, EngineConfig(prefill_chunk=8), tokenizer=tokenizer), tokenizer, admission, idle_wait=0.01
     ).start()
     try:
         channel = ListChannel()

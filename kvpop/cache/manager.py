@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -46,8 +46,11 @@ from kvpop.cache.decode_batch import append_decode_batch
 from kvpop.cache.pool import BatchSlotPool
 from kvpop.cache.prefix_cache import PrefixCache
 from kvpop.cache.slot_cache import SlotCache, round_up_slots
-from kvpop.cache.staged_chunk import StagedChunk
+from kvpop.kvtypes import StagedChunk
 from kvpop.model_spec import ModelSpec
+from kvpop.policies import POLICIES, EvictionPolicy
+from kvpop.request import FinishReason, GenerationResult, Tier
+from kvpop.scorer import learned_scorer
 from kvpop.sessions import SessionState, SessionStore, capture_state, restore_cache
 
 if TYPE_CHECKING:
@@ -55,8 +58,8 @@ if TYPE_CHECKING:
 
     from kvpop.cache.device_store import DeviceKVStore
     from kvpop.decoder import StepOutput
-    from kvpop.request import CacheConfig, GenerationRequest
     from kvpop.policies import TokenScorer
+    from kvpop.request import CacheConfig, GenerationRequest
 
 log = logging.getLogger(__name__)
 PREFIX_FINGERPRINT = "warm-prefix"  # snapshots live and die with the loaded model: no model fingerprint needed
@@ -68,7 +71,7 @@ class Allocation:
 
     cache: SlotCache
     tokens_reused: int = 0  # prompt tokens already in `cache` (not to be computed again)
-    session_tier: str | None = None  # the session's state came from this tier (hot / warm / cold)
+    session_tier: Tier | None = None  # the session's state came from this tier
     prefix_lookup: bool = False  # the warm prefixes were searched for this request
     prefix_tokens_reused: int = 0  # of `tokens_reused`, those that came from a warm prefix
 
@@ -103,8 +106,10 @@ class CacheManager:
         sessions: SessionStore | None = None,
         learned_scorers: "dict[str, TokenScorer] | None" = None,
         prefixes: PrefixCache | None = None,
+        tokenizer: Any = None,
     ) -> None:
         self.spec = spec
+        self.tokenizer = tokenizer  # what policies that read the prompt's text see it with (None: none)
         self.dtype = np.dtype(spec.dtype)
         self.device_store = device_store
         self.pool = BatchSlotPool(spec, track_writes=device_store is not None)
@@ -113,6 +118,17 @@ class CacheManager:
         self.prefixes = prefixes if prefixes is not None else PrefixCache()  # shared by a service's engines
         self._caches: dict[str, SlotCache] = {}  # request id -> cache of a running sequence
         self.batch_decode = True  # vectorised decode appends (False: every append per sequence, as a check)
+        for policy in POLICIES.values():
+            policy.prepare(self.learned_scorers, tokenizer, spec.vocab_size)
+
+    def check(self, config: "CacheConfig") -> None:
+        """ValueError unless this model can run `config` (a learned scorer it names is loaded)."""
+        if config.learned_scorer is not None:
+            learned_scorer(config.learned_scorer, self.learned_scorers)
+
+    def policy_for(self, config: "CacheConfig") -> EvictionPolicy:
+        """A new policy instance for a cache of this configuration."""
+        return config.build_policy(self.learned_scorers)
 
     # -- running sequences ----------------------------------------------------------------------
 
@@ -126,13 +142,45 @@ class CacheManager:
             allocation = self.restore_prefix(request, budget)
         if allocation is None:
             allocation = Allocation(self._empty(request, budget))
-        self._caches[request.request_id] = allocation.cache
+        cache = allocation.cache
+        cache.prompt_state = cache.policy.prompt_state(request.prompt_ids, self.tokenizer, self.spec.vocab_size)
+        self._caches[request.request_id] = cache
         return allocation
 
     def _empty(self, request: "GenerationRequest", budget: int | None) -> SlotCache:
         """A new cache; a bounded one takes its whole storage now (what admission reserved)."""
         initial = 0 if budget is None else reserved_slots(budget, len(request.prompt_ids), request.sampling.max_tokens)
-        return SlotCache(self.spec, request.cache.build_policy(self.learned_scorers), budget, initial)
+        return SlotCache(self.spec, self.policy_for(request.cache), budget, initial)
+
+    def finish(self, allocation: Allocation, request: "GenerationRequest", output_ids: list[int], reason: FinishReason,
+               matched_stop: str | None = None) -> GenerationResult:
+        """A sequence's end: its result from its cache, its session kept (a copy of the cache and the
+        tokens it has seen: all but the last sampled one) or closed as the request asks, its cache freed."""
+        cache = allocation.cache
+        result = GenerationResult(
+            request_id=request.request_id,
+            prompt_ids=request.prompt_ids,
+            output_ids=output_ids,
+            finish_reason=reason,
+            budget=cache.budget if cache.budget is not None else cache.length,
+            peak_kv_bytes=cache.peak_bytes,
+            tokens_evicted=cache.tokens_evicted,
+            compression=cache.tokens_evicted / cache.tokens_seen if cache.tokens_seen else 0.0,
+            tokens_seen=cache.tokens_seen,
+            policy=request.cache.policy,
+            matched_stop=matched_stop,
+            tokens_reused=allocation.tokens_reused,
+            session_tier=allocation.session_tier,
+            prefix_lookup=allocation.prefix_lookup,
+            prefix_tokens_reused=allocation.prefix_tokens_reused,
+        )
+        if request.session_id is not None and request.end_session:
+            self.close_session(request.session_id)
+        elif request.session_id is not None and reason != FinishReason.CANCELLED:
+            history = (request.prompt_ids + output_ids)[: cache.tokens_seen]
+            self.save_session(request.session_id, cache, history, request.cache)
+        self.free(request.request_id)
+        return result
 
     def free(self, request_id: str) -> None:
         """Forget a finished sequence's cache (its pool row goes at the next repack or release)."""
@@ -238,7 +286,7 @@ class CacheManager:
 
     def _continue(self, state: SessionState, request: "GenerationRequest", budget: int | None) -> SlotCache:
         """A new cache continuing `state` (its own copies), with the request's worst case reserved."""
-        cache = restore_cache(state, self.spec, request.cache.build_policy(self.learned_scorers))
+        cache = restore_cache(state, self.spec, self.policy_for(request.cache))
         if budget is not None:
             cache.reserve(reserved_slots(budget, len(request.prompt_ids), request.sampling.max_tokens))
         return cache

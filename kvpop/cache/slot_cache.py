@@ -21,17 +21,16 @@ it records which (layer, head, slot) entries it wrote (`take_writes`) and the po
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvpop.kvtypes import CacheUpdate, Candidates, StatisticsUpdate
 from kvpop.model_spec import ModelSpec
 
 if TYPE_CHECKING:
     from kvpop.cache.pool import BatchSlotPool
-    from kvpop.policies.base import EvictionPolicy, StatisticsUpdate
-    from kvpop.policies.text_spans import TextSpans
+    from kvpop.policies.base import EvictionPolicy
 
 GROWTH_BLOCK = 64  # slots added at a time while a cache fills up to its budget (or grows, unbounded)
 
@@ -39,36 +38,6 @@ GROWTH_BLOCK = 64  # slots added at a time while a cache fills up to its budget 
 def round_up_slots(slots: int) -> int:
     """The storage a cache takes for `slots` slots: whole growth blocks (admission reserves this)."""
     return -(-slots // GROWTH_BLOCK) * GROWTH_BLOCK
-
-
-@dataclass
-class CacheUpdate:
-    """T new tokens arriving in one sequence's cache, as the decoder step produced them."""
-
-    positions: np.ndarray  # (T,) int64 original positions of the new tokens
-    key: np.ndarray  # (L, Hkv, T, D), RoPE applied
-    value: np.ndarray  # (L, Hkv, T, D)
-    # None when the step returned no attention (policies with needs_attention False never read it)
-    attention: np.ndarray | None  # (L, Hkv, G, T, C): new queries on the cache's C slots (grouped by KV head)
-    chunk_attention: np.ndarray | None  # (L, Hkv, G, T, T): new queries on the new tokens (causal)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.positions)
-
-
-@dataclass
-class Candidates:
-    """The C old slots followed by the T new tokens of one append, with what a policy scores them by."""
-
-    positions: np.ndarray  # (L, Hkv, C + T) int64, -1 where an old slot is empty
-    statistics: dict[str, np.ndarray]  # name -> (L, Hkv, C + T) float32
-    tokens_seen: int  # after the append
-    capacity: int  # C
-
-    @property
-    def valid(self) -> np.ndarray:  # (L, Hkv, C + T) bool
-        return self.positions >= 0
 
 
 class SlotCache:
@@ -98,9 +67,9 @@ class SlotCache:
         self.statistics = {name: np.zeros(self._head_shape(0), np.float32) for name in policy.statistics}
         self.reserve(initial_capacity)
         self.policy_state: Any = policy.init_state()  # the policy's (or its scorer's) per-sequence state
-        # The request's prompt cut into lines, set by the engine for a scorer that ranks by line (not saved
-        # with a session: a later turn sets its own; tokens scored before that keep their priority).
-        self.text_spans: "TextSpans | None" = None
+        # What the policy made of the request's prompt (EvictionPolicy.prompt_state, set at allocation; not
+        # saved with a session: a later turn sets its own; tokens scored before that keep their priority).
+        self.prompt_state: Any = None
 
     # -- geometry and memory --------------------------------------------------------------------
 

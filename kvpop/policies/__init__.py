@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpop.policies.base import EvictionPolicy, StatisticsUpdate
+from kvpop.kvtypes import StatisticsUpdate
+from kvpop.policies.base import EvictionPolicy
 from kvpop.policies.full import FullPolicy
 from kvpop.policies.h2o import H2OPolicy
 from kvpop.policies.kvpop import KVpopPolicy

@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from kvpop.policies.base import StatisticsUpdate, accumulate_attention
+from kvpop.kvtypes import StatisticsUpdate
+from kvpop.policies.base import accumulate_attention
 
 if TYPE_CHECKING:
-    from kvpop.cache.slot_cache import CacheUpdate, SlotCache
+    from kvpop.kvtypes import CacheUpdate, CacheView as SlotCache
 
 
 @dataclass

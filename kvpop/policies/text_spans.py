@@ -49,6 +49,17 @@ def line_break_table(tokenizer, vocab_size: int) -> np.ndarray:
     return table
 
 
+_LINE_BREAKS: dict[tuple[int, int], tuple[object, np.ndarray]] = {}  # (id(tokenizer), V) -> (tokenizer, table)
+
+
+def line_breaks(tokenizer, vocab_size: int) -> np.ndarray:
+    """`line_break_table`, computed once per tokenizer (the tokenizer is kept with it, so its id stays its own)."""
+    key = (id(tokenizer), vocab_size)
+    if key not in _LINE_BREAKS:
+        _LINE_BREAKS[key] = (tokenizer, line_break_table(tokenizer, vocab_size))
+    return _LINE_BREAKS[key][1]
+
+
 @dataclass
 class TextSpans:
     """One sequence's prompt cut into lines, and the scores that rank them."""

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from kvpop.policies.base import StatisticsUpdate
+from kvpop.kvtypes import StatisticsUpdate
 from kvpop.policies.scorers import LeavingTokens, TokenScorer
 from kvpop.policies.text_spans import check_span_pooling
 
@@ -64,7 +64,7 @@ class ScorerSpec:
 class ScorerState:
     """One sequence's scorer state: the recurrent memory, and the tokens not yet taken into it.
 
-    While a prompt chunk is computed in pieces (kvpop.cache.staged_chunk), `staged` holds the scores
+    While a prompt chunk is computed in pieces (kvpop.kvtypes.StagedChunk), `staged` holds the scores
     of the leaving tokens its pieces took in so far; the chunk's append then only looks them up.
     Between appends (when a state is saved or copied) it is None."""
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from kvpop.cache.prefix_cache import PrefixCache
 from kvpop.decoder import DecoderStep
-from kvpop.engine import Engine, load_learned_scorers
+from kvpop.engine import Engine, EngineConfig, load_learned_scorers
 from kvpop.policies import POLICIES
 from kvpop.scorer import LEARNED_SCORER_KINDS, learned_scorer
 from kvpop.serving.admission import AdmissionPolicy, KVPoolAdmission
@@ -74,19 +74,7 @@ class KVpopService:
         self._ids = itertools.count()
 
     def _new_engine(self) -> Engine:
-        return Engine(
-            self.decoder,
-            tokenizer=self.tokenizer,
-            max_batch_size=self.config.max_running_sequences,
-            prefill_chunk=self.config.prefill_chunk_tokens,
-            min_bounded_chunk=self.config.min_prefill_chunk_tokens,
-            whole_prompt_tokens=self.config.whole_prompt_tokens,
-            max_step_tokens=self.config.max_step_tokens or None,
-            prefill_pacing=self.config.prefill_pacing or None,
-            learned_scorers=self.learned_scorers,
-            sessions=self.sessions,
-            prefixes=self.prefixes,
-        )
+        return Engine(self.decoder, EngineConfig(max_batch_size=self.config.max_running_sequences, prefill_chunk=self.config.prefill_chunk_tokens, min_bounded_chunk=self.config.min_prefill_chunk_tokens, whole_prompt_tokens=self.config.whole_prompt_tokens, max_step_tokens=self.config.max_step_tokens or None, prefill_pacing=self.config.prefill_pacing or None), tokenizer=self.tokenizer, learned_scorers=self.learned_scorers, sessions=self.sessions, prefixes=self.prefixes)
 
     def _warm_prefixes(self) -> None:
         """Prefill the configured warm prefixes (before the worker starts: the engine is not shared)."""

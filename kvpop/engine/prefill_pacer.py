@@ -8,7 +8,7 @@ stays near (1 + ratio) times the usual one on any model and device. It is a feed
 model: after each step's prompt work it scales the next step's tokens by how far that work's time
 was from its target (square-rooted and at most 2x either way, so one noisy or short step moves it
 little). A chunk cut into pieces
-still enters its cache once (kvpop.cache.staged_chunk), so pacing changes when tokens arrive, never
+still enters its cache once (kvpop.kvtypes.StagedChunk), so pacing changes when tokens arrive, never
 which tokens.
 """
 

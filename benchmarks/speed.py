@@ -55,15 +55,15 @@ from pathlib import Path
 import numpy as np
 
 from kvpop.cache import SlotCache
-from kvpop.cache.decode_batch import batch_group
+
 from kvpop.cache.manager import Allocation, append_output
 from kvpop.decoder import DecoderStep
 from kvpop.engine import Engine, EngineConfig, load_learned_scorers
 from kvpop.engine.sequence import Sequence
 from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
-from kvpop.policies.scorers import TokenScorer
+from kvpop.policies.kvpop.scorers import TokenScorer
 from kvpop.sampling import Sampler
-from kvpop.scorer import LEARNED_SCORER_KINDS
+from kvpop.policies.kvpop.kinds import LEARNED_SCORER_KINDS
 
 FULL_RUN = dict(
     contexts=(512, 1024, 2048, 4096, 8192, 16384),
@@ -279,8 +279,8 @@ def time_point(decoder, snapshots: dict, configs: dict, hf_model, prompt, batch:
             kv_bytes = 2 * decoder.spec.num_layers * batch * decoder.spec.num_kv_heads * snapshots["full"][0].length * decoder.spec.head_dim * decoder.dtype.itemsize
             rows[name] = {**summarize(values, batch), "kv_bytes": kv_bytes}
         else:
-            # Whether the decode steps took the vectorised kvpop path (kvpop.cache.decode_batch).
-            vectorised = all(batch_group(sequence.cache) is not None for sequence in (engines[name].sequence(name) for name in engines[name].state().decoding))
+            # Whether the decode steps took the vectorised kvpop path (kvpop.policies.kvpop.decode_batch).
+            vectorised = all(sequence.cache.policy.decode_group(sequence.cache) is not None for sequence in (engines[name].sequence(name) for name in engines[name].state().decoding))
             rows[name] = {**summarize(values, batch), "kv_bytes": engines[name].kv_bytes_in_use, "cache_slots": engines[name].cache_manager.pool.slots, "vectorised_decode": vectorised}
     del engines, hf_base
     gc.collect()  # a pool and its bound caches refer to each other: free them now, not at some later gc

@@ -63,6 +63,14 @@ class StatisticsUpdate:
     cached: dict[str, np.ndarray] = field(default_factory=dict)  # name -> (L, Hkv, C): new values of the cached slots; absent: unchanged
 
 
+class BatchRows(Protocol):
+    """The batch pool's arrays, whose rows the decoding caches view (kvpop.cache.pool.BatchSlotPool)."""
+
+    key: np.ndarray  # (L, B, Hkv, S, D)
+    value: np.ndarray  # (L, B, Hkv, S, D)
+    track_writes: bool  # a device mirror exists: caches record the slots they write
+
+
 class CacheView(Protocol):
     """What a policy reads of one sequence's slot cache (kvpop.cache.slot_cache.SlotCache); it writes
     nothing there but its own `policy_state` (and a policy's `prompt_state`), through its return values."""

@@ -13,7 +13,7 @@ from enum import StrEnum
 
 from kvpop.policies import POLICIES, make_policy
 from kvpop.sampling import SamplingParams
-from kvpop.scorer import LEARNED_SCORER_KINDS
+from kvpop.policies.kvpop import LEARNED_SCORER_KINDS
 
 NO_TOKEN = -1  # token_id of an event that carries no token (a cancellation)
 

@@ -1,11 +1,11 @@
-"""The vectorised decode path (kvpop.cache.decode_batch) decides exactly what the per-sequence path does."""
+"""The vectorised decode path (kvpop.policies.kvpop.decode_batch) decides exactly what the per-sequence path does."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from kvpop.cache import decode_batch
+from kvpop.policies.kvpop import decode_batch
 from kvpop.engine import Engine, EngineConfig
 from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
 from kvpop.policies.kvpop import SCORE
@@ -74,7 +74,7 @@ def test_only_steady_state_kvpop_caches_are_grouped(tiny_onnx_model_dir, kind):
     engine = Engine.from_model_dir(tiny_onnx_model_dir, EngineConfig(prefill_chunk=8))
     config = CacheConfig(policy="kvpop", budget=12, sinks=2, scorer=kind)
     cache = engine.cache_manager.allocate(GenerationRequest("a", list(range(3, 40)), SamplingParams(max_tokens=4), config)).cache
-    assert decode_batch.batch_group(cache) is None  # empty: still filling up
+    assert cache.policy.decode_group(cache) is None  # empty: still filling up
     other = engine.cache_manager.allocate(GenerationRequest("b", [3, 4, 5], SamplingParams(max_tokens=4), CacheConfig(policy="streaming", budget=8))).cache
-    assert decode_batch.batch_group(other) is None  # not kvpop
+    assert other.policy.decode_group(other) is None  # not kvpop
     assert SCORE in cache.statistics

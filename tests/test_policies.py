@@ -124,7 +124,7 @@ class _WindowedScorer(AccumulatedAttentionScorer):
 def test_a_learned_scorer_is_a_kvpop_only_option():
     """A service passes its kvpop scorer with every request: no other policy may change with it."""
     from kvpop.request import CacheConfig
-    from kvpop.scorer import LEARNED_SCORER_KINDS
+    from kvpop.policies.kvpop.kinds import LEARNED_SCORER_KINDS
     from kvpop_train.scorer.network import KINDS
 
     assert KINDS is LEARNED_SCORER_KINDS  # one definition

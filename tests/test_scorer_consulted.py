@@ -18,7 +18,7 @@ from kvpop.decoder import DecoderStep
 from kvpop.engine import Engine, EngineConfig, load_learned_scorers
 from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
 from kvpop.policies.kvpop import SCORE
-from kvpop.scorer.runtime import LearnedScorer
+from kvpop.policies.kvpop.runtime import LearnedScorer
 
 rng = np.random.default_rng(11)
 PROMPT = [0] + [int(token) for token in rng.integers(3, 250, size=47)]  # 48 tokens

@@ -148,7 +148,7 @@ def test_the_serving_runtime_imports_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys, kvpop.serving.service, kvpop.serving.worker, kvpop.serving.metrics, kvpop.scorer.runtime; "
+    code = ("import sys, kvpop.serving.service, kvpop.serving.worker, kvpop.serving.metrics, kvpop.policies.kvpop.runtime; "
             "print('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
 

@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 
 from kvpop.cache import SlotCache
+from kvpop.cache.snapshot import capture_state, restore_cache
 from kvpop.model_spec import ModelSpec
 from kvpop.policies import make_policy
 from kvpop.sessions import (
-    COLD, HOT, WARM, CheckpointError, InvalidSessionId, SessionKey, SessionStore, TierLimits, capture_state,
-    read_checkpoint, restore_cache, validate_session_id, write_checkpoint,
+    COLD, HOT, WARM, CheckpointError, InvalidSessionId, SessionKey, SessionStore, TierLimits,
+    read_checkpoint, validate_session_id, write_checkpoint,
 )
 from kvpop.sessions.checkpoint import encode_checkpoint
 

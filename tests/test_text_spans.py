@@ -1,4 +1,4 @@
-"""Line pooling (kvpop.policies.text_spans): lines of the prompt ranked by their mean learned score, or by how
+"""Line pooling (kvpop.policies.kvpop.text_spans): lines of the prompt ranked by their mean learned score, or by how
 far that mean stands out from the text around the line."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from kvpop.policies.text_spans import CONTRAST_WIDTH, OWN_SHARE, TextSpans, line_break_table
+from kvpop.policies.kvpop.text_spans import CONTRAST_WIDTH, OWN_SHARE, TextSpans, line_break_table
 
 torch = pytest.importorskip("torch")
 
@@ -103,7 +103,7 @@ def test_policy_keeps_whole_lines_and_ranks_them_by_their_mean(line_scorer_dir, 
     by contrast), whole, and at most one line in part (the one at the budget's edge, its best tokens)."""
     from kvpop.cache import SlotCache
     from kvpop.policies.kvpop import KVpopPolicy
-    from kvpop.scorer.runtime import LearnedScorer
+    from kvpop.policies.kvpop.runtime import LearnedScorer
 
     scorer = LearnedScorer.load(line_scorer_dir, "mlstm")
     assert scorer.span_pooling in ("line", "line_contrast")
@@ -142,14 +142,14 @@ def test_policy_keeps_whole_lines_and_ranks_them_by_their_mean(line_scorer_dir, 
 
 def test_engine_pools_lines_alike_in_the_decode_batch_and_one_by_one(tiny_onnx_model_dir, line_scorer_dir, decoder, monkeypatch):
     """A decode step whose leaving token is in the prompt moves that token's line in the vectorised
-    decode batch (kvpop.cache.decode_batch) exactly as the one-sequence path (`observe`) does: the same
+    decode batch (kvpop.policies.kvpop.decode_batch) exactly as the one-sequence path (`observe`) does: the same
     answers with the batch path on and off, alone and beside other requests."""
     from transformers import AutoTokenizer
 
     from kvpop.engine import Engine, EngineConfig
     from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
     from kvpop.policies.kvpop import KVpopPolicy
-    from kvpop.scorer.runtime import LearnedScorer
+    from kvpop.policies.kvpop.runtime import LearnedScorer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_onnx_model_dir / "tokenizer")
     scorers = {"mlstm": LearnedScorer.load(line_scorer_dir, "mlstm")}

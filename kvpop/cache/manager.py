@@ -1,20 +1,21 @@
 """The cache manager: the one owner of every sequence's KV state, running or kept between turns.
 
-Why a facade (as vLLM's `kv_cache_manager.py` over `block_pool.py`): the engine schedules requests
-and runs the decoder; where keys and values live, how big they may get and how they are kept across
-turns is one concern, and it used to be spread over the engine, the admission code, the policies and
-the pool. The engine now talks to this class alone for cache things and gets small results back
-(`Allocation`, the decoder's past arrays), never the pool or the store.
+Why a facade (as vLLM's `kv_cache_manager.py` over `block_pool.py`): the engine schedules requests and
+runs the decoder; where keys and values live, how big they may get and how they are kept across turns
+is one concern. The engine, admission and the serving layer talk to this class (and its sizing
+functions) alone for cache things and get small results back (`Allocation`, `GenerationResult`, the
+decoder's past arrays), never the pool, the store or a policy's internals.
 
 What it owns:
-  - the slot caches of running sequences, by request id (`allocate` / `free`);
+  - the slot caches of running sequences, by request id (`allocate` / `finish` / `free`), each with
+    what its policy made of the prompt (`EvictionPolicy.prompt_state`);
   - the batch pool whose rows the decoding caches view (zero-copy), and the device mirror of that
     pool when the decoder keeps the cache in device memory (`DeviceKVStore`, built by the decoder,
     which knows its provider; synced only here);
   - admission sizing: the slots a request's storage can take, in whole `GROWTH_BLOCK`s
-    (`slots_needed`, what `kvpop.serving.admission` reserves);
+    (`slots_needed`, `round_up_slots`: what `kvpop.serving.admission` reserves);
   - the session store (hot / warm / cold tiers, `kvpop.sessions.store`): `save_session`,
-    `restore_session` (inside `allocate`), `close_session`;
+    `restore_session` (inside `allocate`), `close_session`; snapshots by `kvpop.cache.snapshot`;
   - the warm prefixes (`kvpop.cache.prefix_cache`): `save_prefix` at load, a copy of the longest
     matching one inside `allocate` when no session state continues the request.
 
@@ -28,35 +29,36 @@ Flow of one engine step:
      the rest (the policy decides, the slot cache applies);
   3. decode: `decode_inputs(caches)` binds the caches to the pool's rows (copies only when the batch
      changes), syncs the device mirror (scattered written slots), returns what the decoder reads in
-     place; `store_decode` appends the new tokens (full kvpop caches vectorised together,
-     `kvpop.cache.decode_batch`);
-  4. finish: `save_session` (a copy of the cache) when the turn keeps its session, then `free`;
-     `release_batch` when nothing decodes any more.
+     place; `store_decode` appends the new tokens (caches whose policy names a decode group, together:
+     `EvictionPolicy.append_decode_group`);
+  4. finish: `finish` builds the result, keeps the session (a copy of the cache) or closes it, frees
+     the cache; `release_batch` when nothing decodes any more.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import defaultdict
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvpop.cache.decode_batch import append_decode_batch
 from kvpop.cache.pool import BatchSlotPool
 from kvpop.cache.prefix_cache import PrefixCache
-from kvpop.cache.slot_cache import SlotCache, round_up_slots
+from kvpop.cache.slot_cache import GROWTH_BLOCK, SlotCache, round_up_slots
 from kvpop.kvtypes import StagedChunk
 from kvpop.model_spec import ModelSpec
 from kvpop.policies import POLICIES, EvictionPolicy
 from kvpop.request import FinishReason, GenerationResult, Tier
-from kvpop.scorer import learned_scorer
-from kvpop.sessions import SessionState, SessionStore, capture_state, restore_cache
+from kvpop.policies.kvpop import learned_scorer
+from kvpop.cache.snapshot import capture_state, restore_cache
+from kvpop.sessions import SessionState, SessionStore
 
 if TYPE_CHECKING:
     import onnxruntime as ort
 
-    from kvpop.cache.device_store import DeviceKVStore
+    from kvpop.device_store import DeviceKVStore
     from kvpop.decoder import StepOutput
     from kvpop.policies import TokenScorer
     from kvpop.request import CacheConfig, GenerationRequest
@@ -118,6 +120,9 @@ class CacheManager:
         self.prefixes = prefixes if prefixes is not None else PrefixCache()  # shared by a service's engines
         self._caches: dict[str, SlotCache] = {}  # request id -> cache of a running sequence
         self.batch_decode = True  # vectorised decode appends (False: every append per sequence, as a check)
+        # The last decode step's vectorised groups (EvictionPolicy.append_decode_group) by group key: kept
+        # so the next step with the same caches does not stack their per-slot arrays again.
+        self._decode_groups: dict = {}
         for policy in POLICIES.values():
             policy.prepare(self.learned_scorers, tokenizer, spec.vocab_size)
 
@@ -189,6 +194,7 @@ class CacheManager:
     def release_batch(self) -> None:
         """Drop the batch pool's arrays (nothing is decoding)."""
         self.pool.release()
+        self._decode_groups = {}
 
     @property
     def kv_bytes_in_use(self) -> int:
@@ -265,12 +271,25 @@ class CacheManager:
 
     def store_decode(self, caches: list[SlotCache], out: "StepOutput") -> None:
         """A decode step's new tokens (caches bound by `decode_inputs`, in its order): full kvpop caches
-        in vectorised groups (kvpop.cache.decode_batch), the rest one by one."""
-        rows = range(len(caches))
-        if self.batch_decode:
-            rows = append_decode_batch(caches, self.pool, out.new_key, out.new_value)
+        in vectorised groups (kvpop.policies.kvpop.decode_batch), the rest one by one."""
+        rows = self._append_decode_groups(caches, out) if self.batch_decode else range(len(caches))
         for row in rows:
             append_output(caches[row], out, row)
+
+    def _append_decode_groups(self, caches: list[SlotCache], out: "StepOutput") -> list[int]:
+        """Append every cache whose policy names a decode group, a group at a time; the rows left."""
+        groups: dict = defaultdict(list)
+        rest = []
+        for row, cache in enumerate(caches):
+            group = cache.policy.decode_group(cache)
+            (rest if group is None else groups[group]).append(row)
+        stacked = {}  # kept for the next step: only this step's groups (finished caches are let go)
+        for group, rows in groups.items():
+            policy = caches[rows[0]].policy
+            stacked[group] = policy.append_decode_group([caches[row] for row in rows], np.array(rows), self.pool,
+                                                        out.new_key, out.new_value, self._decode_groups.get(group))
+        self._decode_groups = stacked
+        return rest
 
     # -- sessions -------------------------------------------------------------------------------
 
@@ -324,4 +343,6 @@ class CacheManager:
         return self.sessions.hot_bytes if self.sessions is not None else 0
 
 
-__all__ = ["Allocation", "CacheManager", "PrefixCache", "append_output", "reserved_slots", "slots_needed"]
+__all__ = [
+    "GROWTH_BLOCK", "Allocation", "CacheManager", "PrefixCache", "append_output", "reserved_slots", "round_up_slots", "slots_needed",
+]

@@ -35,9 +35,6 @@ class BatchSlotPool:
         self.value = self._zeros(0, 0)
         self.track_writes = track_writes  # for a device mirror; without one, writes cost no bookkeeping
         self.repacks = 0  # a device mirror re-uploads everything when this changes
-        # The last decode step's vectorised groups (kvpop.cache.decode_batch): their caches' per-slot
-        # arrays side by side, kept so the next step with the same caches does not stack them again.
-        self.decode_groups: dict = {}
 
     def _zeros(self, batch: int, slots: int) -> np.ndarray:
         spec = self.spec
@@ -92,4 +89,3 @@ class BatchSlotPool:
 
     def release(self) -> None:
         self.bind([])
-        self.decode_groups = {}

@@ -5,7 +5,7 @@ Why snapshots of whole cache states and not shared blocks (vLLM's prefix caching
 has no token-addressed blocks to share; its slots are overwritten in place by the running sequence.
 So a prefix is kept as the complete state a cold prefill leaves after it (slots, positions,
 statistics, policy and scorer state: a `SessionState`), and a request starts from a COPY of it
-(`restore_cache` copies every array), never from the snapshot itself.
+(`kvpop.cache.snapshot.restore_cache` copies every array), never from the snapshot itself.
 
 A snapshot is specific to the cache configuration it was made with: policy, budget, sinks, window,
 seed and scorer (`CacheConfig` as a dict) must all be equal for a hit. What reuse gives:

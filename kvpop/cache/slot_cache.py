@@ -15,13 +15,14 @@ Order of events when T new tokens arrive (`append`):
   3. otherwise every head keeps the `limit` highest-priority of its C old + T new candidates, and the
      kept new tokens overwrite the slots of the dropped old ones.
 
-The cache never calls its storage owner: while it lives in a batch pool that mirrors to the device,
-it records which (layer, head, slot) entries it wrote (`take_writes`) and the pool collects them.
+The cache asks its storage owner (the batch pool, `SlotStorage`) one thing only: room to grow in place.
+While it lives in a pool that mirrors to the device, it records which (layer, head, slot) entries it
+wrote (`take_writes`) and the pool collects them.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -29,7 +30,6 @@ from kvpop.kvtypes import CacheUpdate, Candidates, StatisticsUpdate
 from kvpop.model_spec import ModelSpec
 
 if TYPE_CHECKING:
-    from kvpop.cache.pool import BatchSlotPool
     from kvpop.policies.base import EvictionPolicy
 
 GROWTH_BLOCK = 64  # slots added at a time while a cache fills up to its budget (or grows, unbounded)
@@ -38,6 +38,13 @@ GROWTH_BLOCK = 64  # slots added at a time while a cache fills up to its budget 
 def round_up_slots(slots: int) -> int:
     """The storage a cache takes for `slots` slots: whole growth blocks (admission reserves this)."""
     return -(-slots // GROWTH_BLOCK) * GROWTH_BLOCK
+
+
+class SlotStorage(Protocol):
+    """Arrays a cache's keys and values may live in besides its own (kvpop.cache.pool.BatchSlotPool)."""
+
+    def grown_views(self, cache: "SlotCache", capacity: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """(key, value) views of `capacity` slots of the cache's row, if there is that room; else None."""
 
 
 class SlotCache:
@@ -59,7 +66,7 @@ class SlotCache:
         self.length = 0  # valid slots per head (the prefix [0, length))
         self.tokens_seen = 0
         self.peak_bytes = 0
-        self.storage_owner: "BatchSlotPool | None" = None  # the batch pool whose arrays `key`/`value` view
+        self.storage_owner: "SlotStorage | None" = None  # the batch pool whose arrays `key`/`value` view
         self._writes: list | None = None  # index expressions written since `take_writes`; None: not tracked
         self.key = self._zeros_kv(0)  # (L, Hkv, C, D)
         self.value = self._zeros_kv(0)  # (L, Hkv, C, D)
@@ -123,7 +130,7 @@ class SlotCache:
         grown[:, :, : self.length] = array[:, :, : self.length]
         return grown
 
-    def rebind(self, key: np.ndarray, value: np.ndarray, owner: "BatchSlotPool", track_writes: bool = False) -> None:
+    def rebind(self, key: np.ndarray, value: np.ndarray, owner: SlotStorage, track_writes: bool = False) -> None:
         """Move the keys and values into `owner`'s storage (views of shape (L, Hkv, C, D));
         `track_writes`: record what is written from now on (the owner mirrors it to a device)."""
         if key.shape != self.key.shape or value.shape != self.value.shape:

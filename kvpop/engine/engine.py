@@ -19,13 +19,14 @@ from collections import deque
 from pathlib import Path
 from typing import Protocol
 
-from kvpop.cache.manager import CacheManager, PrefixCache
+from kvpop.cache.manager import CacheManager
+from kvpop.cache.prefix_cache import PrefixCache
 from kvpop.decoder import DecoderStep
 from kvpop.engine.config import EngineConfig
 from kvpop.engine.runner import ModelRunner
 from kvpop.engine.scheduler import Scheduler, reads_attention
 from kvpop.engine.sequence import EngineState, Phase, Sequence, SequenceState
-from kvpop.policies import TokenScorer
+from kvpop.policies import TokenScorer, load_learned_scorers
 from kvpop.request import NO_TOKEN, CacheConfig, FinishReason, GenerationRequest, GenerationResult, TokenEvent
 from kvpop.sampling import Sampler, SamplingParams
 from kvpop.sessions import SessionStore, validate_session_id
@@ -33,13 +34,6 @@ from kvpop.sessions import SessionStore, validate_session_id
 
 class Tokenizer(Protocol):
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
-
-
-def load_learned_scorers(model_dir: Path) -> dict[str, TokenScorer]:
-    """The KVpop scorers exported beside the decoder (`scorer_<kind>.onnx`), by kind."""
-    from kvpop.scorer.runtime import LearnedScorer, ScorerRuntime
-
-    return {kind: LearnedScorer.load(model_dir, kind) for kind in ScorerRuntime.available(model_dir)}
 
 
 class Engine:
@@ -163,6 +157,11 @@ class Engine:
         prompt = len(request.prompt_ids)
         budget = request.cache.resolve_budget(prompt, request.sampling.max_tokens)
         return prompt if self.scheduler.prefills_whole(self.cache_manager.policy_for(request.cache), budget, prompt) else 0
+
+    @property
+    def hot_session_bytes(self) -> int:
+        """Bytes of sessions kept in instance memory (they count against the KV pool)."""
+        return self.cache_manager.hot_session_bytes
 
     @property
     def sessions(self) -> SessionStore | None:

@@ -12,9 +12,9 @@ from kvpop.kvtypes import StatisticsUpdate
 from kvpop.policies.base import EvictionPolicy
 from kvpop.policies.full import FullPolicy
 from kvpop.policies.h2o import H2OPolicy
-from kvpop.policies.kvpop import KVpopPolicy
+from kvpop.policies.kvpop import KVpopPolicy, load_learned_scorers
 from kvpop.policies.random import RandomPolicy
-from kvpop.policies.scorers import SCORERS, AccumulatedAttentionScorer, LeavingTokens, TokenScorer
+from kvpop.policies.kvpop.scorers import SCORERS, AccumulatedAttentionScorer, LeavingTokens, TokenScorer
 from kvpop.policies.streaming import StreamingPolicy
 from kvpop.policies.tova import TOVAPolicy
 
@@ -41,5 +41,6 @@ __all__ = [
     "EvictionPolicy",
     "LeavingTokens",
     "TokenScorer",
+    "load_learned_scorers",
     "make_policy",
 ]

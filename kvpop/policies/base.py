@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Hashable
 
 import numpy as np
 
@@ -55,6 +55,31 @@ class EvictionPolicy(ABC):
         """What this policy keeps of a new request's prompt (`cache.prompt_state`; default nothing).
         `tokenizer` may be None (an engine without one)."""
         return None
+
+    def decode_group(self, cache: CacheView) -> Hashable | None:
+        """A key under which this cache's next one-token append may run vectorised with the other caches
+        of that key (`append_decode_group`); None (the default): appended one by one."""
+        return None
+
+    def append_decode_group(self, caches: list, rows: np.ndarray, pool: Any, new_key: np.ndarray, new_value: np.ndarray,
+                            last: Any) -> Any:
+        """Append a decode step's new tokens (L, B, Hkv, 1, D) of `rows` of the batch pool to `caches`, which
+        share a `decode_group` key, at once; returns what the next step of the same group may reuse (`last`)."""
+        raise NotImplementedError(f"policy {self.name!r} has no vectorised decode append")
+
+    def encode_state(self, state: Any) -> tuple[dict, dict[str, np.ndarray]]:
+        """(JSON description, arrays named `policy.*`) of a sequence's policy state, for a session
+        checkpoint (copies; never pickled). Default: a policy without state."""
+        if state is None:
+            return {"kind": "none"}, {}
+        raise TypeError(f"cannot save a policy state of type {type(state).__name__}")
+
+    def decode_state(self, description: dict, arrays: dict[str, np.ndarray]) -> Any:
+        """The live policy state of an `encode_state` description (a restored sequence owns its copies)."""
+        kind = description.get("kind")
+        if kind == "none":
+            return None
+        raise ValueError(f"unknown policy state kind {kind!r}")
 
     @classmethod
     def prepare(cls, learned_scorers: dict, tokenizer: Any, vocab_size: int) -> None:

@@ -24,8 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from kvpop.cache.manager import slots_needed
-from kvpop.cache.slot_cache import GROWTH_BLOCK, round_up_slots
+from kvpop.cache.manager import GROWTH_BLOCK, round_up_slots, slots_needed
 from kvpop.request import GenerationRequest
 from kvpop.model_spec import ModelSpec
 

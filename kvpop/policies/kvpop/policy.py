@@ -23,11 +23,11 @@ import numpy as np
 
 from kvpop.kvtypes import CacheUpdate, StatisticsUpdate
 from kvpop.policies.base import EvictionPolicy
-from kvpop.policies.scorers import LeavingTokens, TokenScorer, make_scorer
-from kvpop.policies.text_spans import TextSpans, line_breaks
-from kvpop.scorer import LEARNED_SCORER_KINDS, learned_scorer
+from kvpop.policies.kvpop.scorers import LeavingTokens, TokenScorer, make_scorer
+from kvpop.policies.kvpop import decode_batch, state_codec
+from kvpop.policies.kvpop.kinds import LEARNED_SCORER_KINDS, SCORE, learned_scorer
+from kvpop.policies.kvpop.text_spans import TextSpans, line_breaks
 
-SCORE = "kvpop_score"
 
 
 @dataclass
@@ -111,7 +111,7 @@ class KVpopPolicy(EvictionPolicy):
 
     def decodes_in_batch(self, cache) -> bool:
         """Whether this full cache's next one-token append may run vectorised with others
-        (kvpop.cache.decode_batch): exactly one token leaves the window, the new token stays in it, an
+        (kvpop.policies.kvpop.decode_batch): exactly one token leaves the window, the new token stays in it, an
         unprotected slot exists to drop, and the scorer is not needed or can score a batch in this
         state."""
         sinks, window = self.protected_counts(cache.budget)
@@ -120,6 +120,18 @@ class KVpopPolicy(EvictionPolicy):
         if cache.budget == sinks + window:  # no long-range slot: the leaving token is the one dropped
             return True
         return not self._scorer_behind(cache) and self._scorer.scores_decode_batch(cache.policy_state)
+
+    def decode_group(self, cache):
+        return decode_batch.batch_group(self, cache)
+
+    def append_decode_group(self, caches, rows, pool, new_key, new_value, last):
+        return decode_batch._append_group(caches, rows, pool, new_key, new_value, last)
+
+    def encode_state(self, state):
+        return state_codec.encode(state) if state_codec.is_scorer_state(state) else super().encode_state(state)
+
+    def decode_state(self, description, arrays):
+        return state_codec.decode(description, arrays) if description.get("kind") == state_codec.SCORER else super().decode_state(description, arrays)
 
     @property
     def span_pooling(self) -> str:
@@ -138,7 +150,7 @@ class KVpopPolicy(EvictionPolicy):
             line_breaks(tokenizer, vocab_size)
 
     def pool_leaving_prompt_token(self, cache, position: np.ndarray, score: np.ndarray, leaving: np.ndarray) -> None:
-        """Line pooling for a vectorised decode step (kvpop.cache.decode_batch), as `observe` pools a
+        """Line pooling for a vectorised decode step (kvpop.policies.kvpop.decode_batch), as `observe` pools a
         one-sequence step: `score` (L, Hkv, C), the cache's row of the batch's scores, holds the leaving
         token's raw score at slots `leaving` (L, Hkv); if that token is in the prompt, its line's mean
         takes it in and every held token of the prompt gets its pooled priority, in place."""
@@ -150,7 +162,7 @@ class KVpopPolicy(EvictionPolicy):
         score[...] = spans.priority(position, score)
 
     def _line_spans(self, cache) -> "TextSpans | None":
-        """The cache's prompt lines when this scorer ranks by line (kvpop.policies.text_spans), else None."""
+        """The cache's prompt lines when this scorer ranks by line (kvpop.policies.kvpop.text_spans), else None."""
         return cache.prompt_state if self._scorer.span_pooling else None
 
     @property

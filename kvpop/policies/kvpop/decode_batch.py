@@ -7,32 +7,31 @@ operations: score the one token leaving the protected window, drop each head's l
 unprotected slot, write the new token there. Here they run vectorised over the batch, with tensors
 (B, L, Hkv, C), and the learned scorer runs once for the batch (`LearnedScorer.score_decode_batch`).
 
-The decisions are exactly the per-sequence path's (tests/test_decode_batch.py compares caches and
-tokens). Everything else keeps the per-sequence path: prompt chunks, caches still filling up, other
+The cache manager groups a decode step's caches by `EvictionPolicy.decode_group` and hands each group
+to its policy's `append_decode_group` (this module's `_append_group`); the decisions are exactly the
+per-sequence path's (tests/cache/test_decode_batch.py compares caches and tokens). Everything else keeps the per-sequence path: prompt chunks, caches still filling up, other
 policies, scorers that read attention, a sequence whose scorer still holds tokens from its prefill.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Hashable
+from typing import TYPE_CHECKING, Any, Hashable
 
 import numpy as np
 
-from kvpop.policies.kvpop import SCORE, KVpopPolicy
+from kvpop.policies.kvpop.kinds import SCORE
 
 if TYPE_CHECKING:
-    from kvpop.cache.pool import BatchSlotPool
-    from kvpop.cache.slot_cache import SlotCache
+    from kvpop.kvtypes import BatchRows
+    from kvpop.kvtypes import CacheView as SlotCache
 
 
-def batch_group(cache: "SlotCache") -> Hashable | None:
+def batch_group(policy: Any, cache: "SlotCache") -> Hashable | None:
     """Caches with equal groups can take this decode step together; None: this one takes the
     per-sequence path (see the module docstring for when)."""
-    policy = cache.policy
-    if not isinstance(policy, KVpopPolicy) or cache.budget is None or cache.length != cache.capacity:
+    if cache.budget is None or cache.length != cache.capacity:
         return None
     if cache.capacity != cache.budget or not policy.decodes_in_batch(cache):
         return None
@@ -77,32 +76,8 @@ def _index_grids(batch: int, layers: int, kv_heads: int) -> tuple[np.ndarray, np
     return grids
 
 
-def append_decode_batch(
-    caches: list["SlotCache"],
-    pool: "BatchSlotPool",
-    new_key: np.ndarray,  # (L, B, Hkv, 1, D): the decoder step's new tokens, row r = caches[r]
-    new_value: np.ndarray,  # (L, B, Hkv, 1, D)
-) -> list[int]:
-    """Append every eligible cache's new token in groups; return the rows left to the caller (to be
-    appended one by one with `SlotCache.append`). `caches` must be bound to `pool` in this order."""
-    groups: dict[Hashable, list[int]] = defaultdict(list)
-    rest = []
-    for row, cache in enumerate(caches):
-        group = batch_group(cache)
-        if group is None:
-            rest.append(row)
-        else:
-            groups[group].append(row)
-    stacked = {}  # kept for the next step: only this step's groups (finished caches are let go)
-    for group, rows in groups.items():
-        stacked[group] = _append_group([caches[row] for row in rows], np.array(rows), pool, new_key, new_value,
-                                       pool.decode_groups.get(group))
-    pool.decode_groups = stacked
-    return rest
-
-
 def _append_group(
-    caches: list["SlotCache"], rows: np.ndarray, pool: "BatchSlotPool", new_key: np.ndarray, new_value: np.ndarray,
+    caches: list["SlotCache"], rows: np.ndarray, pool: "BatchRows", new_key: np.ndarray, new_value: np.ndarray,
     last: _StackedGroup | None,
 ) -> _StackedGroup:
     """B full caches of one kvpop policy configuration, each with exactly one token leaving its window."""

@@ -17,8 +17,8 @@ import numpy as np
 import onnxruntime as ort
 
 from kvpop.kvtypes import StatisticsUpdate
-from kvpop.policies.scorers import LeavingTokens, TokenScorer
-from kvpop.policies.text_spans import check_span_pooling
+from kvpop.policies.kvpop.scorers import LeavingTokens, TokenScorer
+from kvpop.policies.kvpop.text_spans import check_span_pooling
 
 MAX_CHUNK = 64  # rows per ONNX call: the chunk's (T x T) intra-chunk weights stay small in a prefill
 

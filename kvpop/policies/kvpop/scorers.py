@@ -1,6 +1,6 @@
 """Scorers for the kvpop policy: what decides a token's worth when it leaves the protected window.
 
-The learned scorers (ONNX mLSTM or MLP per KV head, `kvpop.scorer.runtime.LearnedScorer`) implement
+The learned scorers (ONNX mLSTM or MLP per KV head, `kvpop.policies.kvpop.runtime.LearnedScorer`) implement
 this interface; the attention-based `AccumulatedAttentionScorer` below is the stand-in used when a
 model has none. `init_state` returns per-sequence recurrent state (the kvpop policy's state, kept in
 the slot cache, so it travels with the sequence), `observe` sees every new token's key and value
@@ -58,7 +58,7 @@ class TokenScorer(ABC):
 
     @property
     def span_pooling(self) -> str:
-        """How the kvpop policy ranks prompt tokens (kvpop.policies.text_spans): "" by their own score,
+        """How the kvpop policy ranks prompt tokens (kvpop.policies.kvpop.text_spans): "" by their own score,
         "line" / "line_contrast" by their line's: for a scorer whose one model-wide ranking was chosen that way."""
         return ""
 
@@ -99,7 +99,7 @@ class TokenScorer(ABC):
         leaving_value: np.ndarray,  # (B, L, Hkv, D)
     ) -> np.ndarray:
         """(B, L, Hkv) scores of the leaving tokens of B sequences' decode steps, each state advanced
-        exactly as `observe` then `score` of one token would (kvpop.cache.decode_batch)."""
+        exactly as `observe` then `score` of one token would (kvpop.policies.kvpop.decode_batch)."""
         raise NotImplementedError(f"scorer {self.name!r} does not score decode batches")
 
 

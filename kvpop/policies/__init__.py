@@ -1,7 +1,7 @@
 """Eviction policies, one per module, registered by name.
 
 A new policy: one module with a dataclass subclass of `EvictionPolicy`, added to `POLICIES`; the
-test matrix in tests/test_policies.py picks it up and demands a constructed eviction case for it.
+test matrix in tests/policies/test_policies.py picks it up and demands a constructed eviction case for it.
 """
 
 from __future__ import annotations

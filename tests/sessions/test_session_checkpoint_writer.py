@@ -14,7 +14,7 @@ import pytest
 
 import kvpop.sessions.writer as writer_module
 from kvpop.sessions import COLD, HOT, SessionStore, TierLimits, read_checkpoint
-from test_session_store import FINGERPRINT, make_state
+from sessions.test_session_store import FINGERPRINT, make_state
 
 
 class GatedWrites:

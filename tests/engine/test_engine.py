@@ -14,7 +14,7 @@ from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
 from kvpop.policies import POLICIES
 from kvpop.sampling import Sampler
 
-REFERENCE_MODEL = Path(__file__).resolve().parents[1] / "models" / "reference"
+REFERENCE_MODEL = Path(__file__).resolve().parents[2] / "models" / "reference"
 
 PROMPTS = [[0, 5, 17, 99, 23, 41, 7, 64, 12, 200, 31], [0, 250, 3], [0, 9, 8, 7, 6, 5, 4, 3, 2, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110]]
 NEW_TOKENS = 24

@@ -11,7 +11,7 @@ whose config says `span_pooling: line` has prompt tokens ranked by their line's 
 At a tight budget the window shrinks to a quarter of it, never below `min_window` tokens (the question
 and the chat header at the end of a prompt): at 94% of a 2,048-token prompt the budget is 125 slots, and a
 64-token window would leave 57 long-range slots, under three needle lines of a multi-key task
-(docs/quality/real, session 22). Every step of the policy pairs leaving tokens with that window.
+(docs/quality/real). Every step of the policy pairs leaving tokens with that window.
 """
 
 from __future__ import annotations

@@ -190,7 +190,7 @@ class LearnedScorer(TokenScorer):
     With the attention feature, it keeps its own per-slot statistic as the traces define it: attention
     received from the queries up to w tokens later, each probability times the keys its query saw
     (valid slots + its place in the chunk). The policy protects the window it was trained for
-    (at a tight budget a smaller one, which pairs each token with an earlier state: docs/quality/real, session 22).
+    (at a tight budget a smaller one, which pairs each token with an earlier state: docs/quality/real).
     """
 
     name = "learned"

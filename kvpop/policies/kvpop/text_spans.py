@@ -4,11 +4,11 @@ A learned scorer finds the rare line that matters (a pass key among pages of doc
 its tokens unevenly: it keeps the digits and drops the words that say what they are. Ranking each
 prompt token by the MEAN score of its line (plus a small share of its own, so a line that does not fit
 keeps its best tokens) keeps such a line whole, and, unlike the line's best score, does not favour long
-lines that reach a high score somewhere by chance (docs/quality/real, session 19). Lines longer than
+lines that reach a high score somewhere by chance (docs/quality/real). Lines longer than
 `MAX_SPAN` tokens are cut into pieces of that length. A line's mean is over every one of its tokens
 scored so far, evicted or not, so evicting part of a line does not move the rest of it.
 
-"line_contrast" (session 20) ranks a line by how far its mean stands out from the text around it: the
+"line_contrast" ranks a line by how far its mean stands out from the text around it: the
 mean minus the mean score of the `CONTRAST_WIDTH` scored tokens around the line (half before, half
 after, the line left out), plus the mean of the whole prompt so the values stay on the scale of a raw
 score (generated tokens compete with them). The scores fall by ~1.5 from the prompt's first lines (a

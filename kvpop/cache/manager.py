@@ -13,7 +13,7 @@ What it owns:
     pool when the decoder keeps the cache in device memory (`DeviceKVStore`, built by the decoder,
     which knows its provider; synced only here);
   - admission sizing: the slots a request's storage can take, in whole `GROWTH_BLOCK`s
-    (`slots_needed`, `round_up_slots`: what `kvpop.serving.admission` reserves);
+    (`slots_needed`, `round_up_slots`, `padded_bytes`: what `kvpop.serving.admission` reserves);
   - the session store (hot / warm / cold tiers, `kvpop.sessions.store`): `save_session`,
     `restore_session` (inside `allocate`), `close_session`; snapshots by `kvpop.cache.snapshot`;
   - the warm prefixes (`kvpop.cache.prefix_cache`): `save_prefix` at load, a copy of the longest
@@ -23,7 +23,7 @@ Flow of one engine step:
   1. admit: `allocate(request)` returns the sequence's cache: the session's saved state when the
      prompt continues it, else a warm prefix's state when the prompt starts with one, else an empty
      cache reserved at its worst case (each a copy the sequence owns);
-  2. prefill: `prefill_inputs(caches, staged)` gives the decoder one cache's own arrays (no copy) or,
+  2. prefill: `prefill_inputs(request_ids)` gives the decoder one cache's own arrays (no copy) or,
      for a batched chunk or a piece of one, stacked copies padded to the largest (a chunk's earlier
      pieces after the cache's slots); `store_pieces` appends each row whose chunk is whole and stages
      the rest (the policy decides, the slot cache applies);
@@ -44,15 +44,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvpop.cache.pool import BatchSlotPool
+from kvpop.cache.pool import BatchSlotPool, padded_bytes
 from kvpop.cache.prefix_cache import PrefixCache
 from kvpop.cache.slot_cache import GROWTH_BLOCK, SlotCache, round_up_slots
-from kvpop.kvtypes import StagedChunk
 from kvpop.model_spec import ModelSpec
 from kvpop.policies import POLICIES, EvictionPolicy
 from kvpop.request import FinishReason, GenerationResult, Tier
 from kvpop.policies.kvpop import learned_scorer
 from kvpop.cache.snapshot import capture_state, restore_cache
+from kvpop.cache.staging import PromptStaging, append_output
 from kvpop.sessions import SessionState, SessionStore
 
 if TYPE_CHECKING:
@@ -89,13 +89,6 @@ def slots_needed(config: "CacheConfig", prompt_tokens: int, max_tokens: int) -> 
     return round_up_slots(reserved_slots(config.resolve_budget(prompt_tokens, max_tokens), prompt_tokens, max_tokens))
 
 
-def append_output(cache: SlotCache, out: "StepOutput", row: int) -> None:
-    """Append row `row` of a decoder step's new tokens (and the attention its policy reads) to `cache`."""
-    attention = None if out.attention is None else out.attention[:, row]
-    chunk_attention = None if out.chunk_attention is None else out.chunk_attention[:, row]
-    cache.append(out.new_key[:, row], out.new_value[:, row], attention, chunk_attention)
-
-
 class CacheManager:
     """Every running sequence's slot cache, the batch pool they share and the sessions kept after them.
 
@@ -119,6 +112,7 @@ class CacheManager:
         self.learned_scorers = learned_scorers or {}  # kind -> scorer shared by every sequence
         self.prefixes = prefixes if prefixes is not None else PrefixCache()  # shared by a service's engines
         self._caches: dict[str, SlotCache] = {}  # request id -> cache of a running sequence
+        self.staging = PromptStaging(spec)  # prompt chunks computed in pieces, by request id
         self.batch_decode = True  # vectorised decode appends (False: every append per sequence, as a check)
         # The last decode step's vectorised groups (EvictionPolicy.append_decode_group) by group key: kept
         # so the next step with the same caches does not stack their per-slot arrays again.
@@ -190,6 +184,7 @@ class CacheManager:
     def free(self, request_id: str) -> None:
         """Forget a finished sequence's cache (its pool row goes at the next repack or release)."""
         self._caches.pop(request_id, None)
+        self.staging.drop(request_id)
 
     def release_batch(self) -> None:
         """Drop the batch pool's arrays (nothing is decoding)."""
@@ -198,36 +193,26 @@ class CacheManager:
 
     @property
     def kv_bytes_in_use(self) -> int:
-        """Key/value bytes held now: the batch pool plus caches outside it (being prefilled)."""
+        """Key/value bytes held now: the batch pool, caches outside it (being prefilled) and the prompt
+        chunks staged beside them (a whole prompt while it is computed in pieces)."""
         outside = sum(cache.nbytes for cache in self._caches.values() if cache.storage_owner is not self.pool)
-        return self.pool.nbytes + outside
+        return self.pool.nbytes + outside + self.staging.nbytes
 
     # -- what the decoder reads and what it returns -----------------------------------------------
 
-    def prefill_inputs(
-        self, caches: list[SlotCache], staged: "list[StagedChunk | None] | None" = None
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(past_key, past_value, slot_mask) for a prompt chunk (or piece) of `caches`: (L, B, Hkv, S, D)
-        twice, (B, S). `staged[r]`: row r's chunk computed so far, as valid slots after its cache's."""
-        extra = [0 if piece is None else piece.length for piece in staged] if staged else [0] * len(caches)
-        if len(caches) == 1 and not extra[0]:  # the cache's own arrays, no copy
-            cache = caches[0]
-            return cache.key[:, None], cache.value[:, None], cache.slot_mask()[None]
-        slots = max(cache.capacity + more for cache, more in zip(caches, extra))  # stacked and padded (padding is masked)
-        shape = (self.spec.num_layers, len(caches), self.spec.num_kv_heads, slots, self.spec.head_dim)
-        past_key, past_value, slot_mask = np.zeros(shape, self.dtype), np.zeros(shape, self.dtype), np.zeros((len(caches), slots), bool)
-        for row, (cache, more) in enumerate(zip(caches, extra)):
-            past_key[:, row, :, : cache.capacity] = cache.key
-            past_value[:, row, :, : cache.capacity] = cache.value
-            slot_mask[row, : cache.capacity] = cache.slot_mask()
-            if more:
-                piece = staged[row]
-                if piece.capacity != cache.capacity:
-                    raise RuntimeError("a cache changed while its prompt chunk was staged")
-                past_key[:, row, :, cache.capacity : cache.capacity + more] = piece.key
-                past_value[:, row, :, cache.capacity : cache.capacity + more] = piece.value
-                slot_mask[row, cache.capacity : cache.capacity + more] = True
-        return past_key, past_value, slot_mask
+    def prefill_inputs(self, request_ids: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(past_key, past_value, slot_mask) for a prompt chunk (or piece) of these sequences: (L, B, Hkv, S,
+        D) twice, (B, S); a chunk's pieces computed so far are valid slots after the cache's."""
+        return self.staging.inputs([self._caches[request_id] for request_id in request_ids], request_ids)
+
+    def store_pieces(self, request_ids: list[str], chunk_lengths: list[int], out: "StepOutput") -> None:
+        """Row r of a prompt call: staged, and appended to its cache with the pieces before it once its
+        chunk of `chunk_lengths[r]` tokens is whole (kvpop.cache.staging)."""
+        self.staging.store([self._caches[request_id] for request_id in request_ids], request_ids, chunk_lengths, out)
+
+    def staged_tokens(self, request_id: str) -> int:
+        """Tokens of the sequence's current prompt chunk computed but not yet in its cache."""
+        return self.staging.length(request_id)
 
     def decode_inputs(self, caches: list[SlotCache]) -> "tuple[np.ndarray | ort.OrtValue, np.ndarray | ort.OrtValue, np.ndarray]":
         """(past_key, past_value, slot_mask) for a decode step of `caches`: the pool's arrays (or their
@@ -238,36 +223,6 @@ class CacheManager:
             return self.pool.key, self.pool.value, slot_mask
         key, value = self.device_store.sync(self.pool)
         return key, value, slot_mask
-
-    @staticmethod
-    def store_pieces(
-        caches: list[SlotCache], staged: "list[StagedChunk | None]", chunk_lengths: list[int], out: "StepOutput"
-    ) -> "list[StagedChunk | None]":
-        """Row r of a prompt call (a whole chunk or a piece of one): staged after `staged[r]` (the policy
-        sees the piece: `EvictionPolicy.stage`), and appended to caches[r] with the pieces before it
-        once its chunk of `chunk_lengths[r]` tokens is whole. A cache that evicts nothing takes every
-        piece as it comes (appending it now is what appending the whole chunk later would do). Each
-        row's staged chunk after the call (None: in its cache)."""
-        after, length = [], out.new_key.shape[3]
-        for row, (cache, piece, chunk_length) in enumerate(zip(caches, staged, chunk_lengths)):
-            done = (0 if piece is None else piece.length) + length == chunk_length or not cache.policy.evicts
-            if piece is None and done:
-                append_output(cache, out, row)
-                after.append(None)
-                continue
-            key, value = out.new_key[:, row], out.new_value[:, row]  # (L, Hkv, t, D)
-            attention = None if out.attention is None else out.attention[:, row]  # (L, Hq, t, S)
-            chunk_attention = None if out.chunk_attention is None else out.chunk_attention[:, row]
-            if piece is None:
-                piece = StagedChunk.first(cache.capacity, key, value, attention, chunk_attention)
-            else:
-                piece.add(key, value, attention, chunk_attention)
-            cache.policy.stage(cache, piece, slice(piece.length - length, piece.length), chunk_length)
-            if done:
-                cache.append(piece.key, piece.value, piece.attention, piece.chunk_attention)
-                piece = None
-            after.append(piece)
-        return after
 
     def store_decode(self, caches: list[SlotCache], out: "StepOutput") -> None:
         """A decode step's new tokens (caches bound by `decode_inputs`, in its order): full kvpop caches
@@ -344,5 +299,6 @@ class CacheManager:
 
 
 __all__ = [
-    "GROWTH_BLOCK", "Allocation", "CacheManager", "PrefixCache", "append_output", "reserved_slots", "round_up_slots", "slots_needed",
+    "GROWTH_BLOCK", "Allocation", "CacheManager", "PrefixCache", "append_output", "padded_bytes", "reserved_slots", "round_up_slots",
+    "slots_needed",
 ]

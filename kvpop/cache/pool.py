@@ -26,6 +26,11 @@ from kvpop.model_spec import ModelSpec
 GROWTH_HEADROOM = 0.125
 
 
+def padded_bytes(slot_counts: list[int], bytes_per_slot: int) -> int:
+    """Bytes of a pool holding caches of these sizes (slots per head): every row padded to the largest."""
+    return len(slot_counts) * max(slot_counts, default=0) * bytes_per_slot
+
+
 class BatchSlotPool:
     def __init__(self, spec: ModelSpec, track_writes: bool = False) -> None:
         self.spec = spec

@@ -147,8 +147,7 @@ class Engine:
     def kv_bytes_in_use(self) -> int:
         """Key/value bytes of the running sequences: the batch pool, caches being prefilled, and the
         chunks they are prefilling (a whole prompt while it is computed in pieces)."""
-        staged = sum(sequence.staged_bytes for sequence in self._prefilling.values())
-        return self.cache_manager.kv_bytes_in_use + staged
+        return self.cache_manager.kv_bytes_in_use
 
     def prefill_slots(self, request: GenerationRequest) -> int:
         """Slots per head a request's prefill holds beyond its cache until its first token: its whole

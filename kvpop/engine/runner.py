@@ -44,19 +44,17 @@ class ModelRunner:
         return decode_out, piece_out
 
     def _piece_inputs(self, sequences: list[Sequence], length: int) -> StepInputs:
-        caches = [sequence.cache for sequence in sequences]
         starts = [sequence.prefilled for sequence in sequences]
         input_ids = np.array([sequence.request.prompt_ids[start : start + length] for sequence, start in zip(sequences, starts)], np.int64)
         positions = np.array([np.arange(start, start + length) for start in starts], np.int64)  # (B, T)
-        past_key, past_value, slot_mask = self.cache_manager.prefill_inputs(caches, [sequence.staged for sequence in sequences])
+        past_key, past_value, slot_mask = self.cache_manager.prefill_inputs([sequence.request_id for sequence in sequences])
         return StepInputs(input_ids, positions, past_key, past_value, slot_mask)
 
     def _store_piece(self, sequences: list[Sequence], length: int, out: StepOutput) -> None:
-        caches = [sequence.cache for sequence in sequences]
-        staged = [sequence.staged for sequence in sequences]
-        chunk_lengths = [(0 if sequence.staged is None else sequence.staged.length) + sequence.chunk_left for sequence in sequences]
-        for sequence, piece in zip(sequences, self.cache_manager.store_pieces(caches, staged, chunk_lengths, out)):
-            sequence.staged = piece
+        chunk_lengths = [sequence.staged_tokens + sequence.chunk_left for sequence in sequences]
+        self.cache_manager.store_pieces([sequence.request_id for sequence in sequences], chunk_lengths, out)
+        for sequence in sequences:
+            sequence.staged_tokens = self.cache_manager.staged_tokens(sequence.request_id)
             sequence.prefilled += length
 
     def _decode_inputs(self, sequences: list[Sequence]) -> StepInputs:

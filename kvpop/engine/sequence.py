@@ -12,7 +12,6 @@ from kvpop.sampling import Sampler
 if TYPE_CHECKING:
     from kvpop.cache.manager import Allocation
     from kvpop.cache.slot_cache import SlotCache
-    from kvpop.kvtypes import StagedChunk
 
 
 class Phase(StrEnum):
@@ -31,7 +30,7 @@ class Sequence:
     matched_stop: str | None = None
     prefilled: int = 0  # prompt tokens run through the model so far (in the cache, or staged)
     chunk_size: int = 1  # prompt tokens per prefill chunk (what enters the cache at once)
-    staged: "StagedChunk | None" = None  # the current chunk's pieces computed so far, not yet in the cache
+    staged_tokens: int = 0  # of the current chunk, computed but not yet in the cache (the manager holds them)
 
     @property
     def request_id(self) -> str:
@@ -48,16 +47,11 @@ class Sequence:
     @property
     def chunk_left(self) -> int:
         """Prompt tokens left in the current chunk (a chunk begins as min(chunk_size, prompt left))."""
-        staged = 0 if self.staged is None else self.staged.length
-        return min(self.chunk_size, self.prompt_left + staged) - staged
-
-    @property
-    def staged_bytes(self) -> int:
-        return 0 if self.staged is None else self.staged.nbytes
+        return min(self.chunk_size, self.prompt_left + self.staged_tokens) - self.staged_tokens
 
     def view(self, phase: Phase) -> "SequenceState":
         return SequenceState(self.request_id, phase, self.prefilled, len(self.output_ids), self.chunk_size, self.allocation,
-                             self.pending_token, 0 if self.staged is None else self.staged.length)
+                             self.pending_token, self.staged_tokens)
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,8 @@ def test_a_whole_prompt_prefill_says_what_it_holds_beyond_its_cache(decoder):
     engine.add_request(request("streaming"))
     engine.step(), engine.step()  # two 8-token pieces of the 80-token chunk, staged beside the cache
     bytes_per_token = decoder.spec.kv_bytes_per_token
-    assert engine.kv_bytes_in_use >= engine.cache_manager.kv_bytes_in_use + 16 * bytes_per_token
+    state = engine.sequence(f"streaming-{len(PROMPT)}")
+    assert state.staged_tokens == 16 and engine.kv_bytes_in_use >= state.cache.nbytes + 16 * bytes_per_token
 
 
 def test_whole_prompt_tokens_must_not_be_negative(decoder):

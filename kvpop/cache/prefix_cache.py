@@ -26,7 +26,7 @@ and the longest matching prefix wins; there is no eviction.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 from kvpop.sessions import SessionState
 
@@ -39,6 +39,9 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(self._snapshots)
+
+    def __iter__(self) -> Iterator[SessionState]:
+        return iter(list(self._snapshots))
 
     @property
     def nbytes(self) -> int:

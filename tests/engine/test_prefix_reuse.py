@@ -83,7 +83,7 @@ def test_a_bounded_prefix_is_chunk_aligned_and_equals_a_cold_prefill(decoder, sc
 def test_requests_start_from_copies_and_never_change_the_snapshot(decoder, scorers):
     cache = CacheConfig(policy="h2o", budget=24, window=4)
     warm, cold, _ = engines(decoder, scorers, cache)
-    [snapshot] = warm.cache_manager.prefixes._snapshots
+    [snapshot] = warm.cache_manager.prefixes
     before = {name: np.array(getattr(snapshot, name)) for name in ("key", "value", "position")}
     before_stats = {name: stat.copy() for name, stat in snapshot.statistics.items()}
     prompts = [PREFIX + tokens(30 + i, 9) for i in range(4)]

@@ -150,7 +150,7 @@ SCORER_MAX_CHARS ?= 8000# context characters (~2k tokens), so the recall questio
 SCORER_QUESTIONS ?= value-only# random | values | value-only (kvpop_train/scorer/english_texts.py)
 SCORER_MIN_VALUES ?= 3
 SCORER_TARGET_SCOPE ?= model# head | layer | model: one model-wide ranking (kvpop_train/scorer/targets.py shape_target)
-SCORER_SPAN_POOLING ?= line_contrast# serving ranks prompt tokens by how far their line stands out (kvpop/policies/text_spans.py)
+SCORER_SPAN_POOLING ?= line_contrast# serving ranks prompt tokens by how far their line stands out (kvpop/policies/kvpop/text_spans.py)
 
 train-scorer: setup  ## train the KVpop scorers (mLSTM + MLP) for MODEL (default: reference -> MODEL/scorer; a real model -> scorers/<name>/)
 	$(if $(IS_REAL_MODEL),$(PY) -m kvpop_train.scorer.english_texts --max-chars $(SCORER_MAX_CHARS) \

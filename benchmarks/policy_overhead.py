@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvpop.engine import CacheConfig, Engine, GenerationRequest, SamplingParams
+from kvpop.engine import Engine, EngineConfig
+from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
 
 
 def systems(scorers: list[str], compression: float, budget: int | None = None) -> dict[str, tuple[CacheConfig, bool]]:
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     table = systems(sorted(probe.learned_scorers), args.compression, args.budget)
     engines = {}
     for name, (_, batched) in table.items():
-        engines[name] = Engine.from_model_dir(args.model, max_batch_size=args.batch, min_bounded_chunk=args.min_chunk)
+        engines[name] = Engine.from_model_dir(args.model, EngineConfig(max_batch_size=args.batch, min_bounded_chunk=args.min_chunk))
         engines[name].cache_manager.batch_decode = batched
     vocab = probe.spec.vocab_size
     rng = np.random.default_rng(0)

@@ -33,7 +33,8 @@ import numpy as np
 from kvpop.cache import pool as pool_module
 from kvpop.cache import slot_cache as slot_cache_module
 from kvpop.cache.manager import CacheManager
-from kvpop.engine import CacheConfig, Engine, GenerationRequest, SamplingParams, load_learned_scorers
+from kvpop.engine import Engine, EngineConfig, load_learned_scorers
+from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
 from kvpop.decoder import DecoderStep
 from kvpop.policies.kvpop import KVpopPolicy
 
@@ -68,7 +69,7 @@ _CLASSES_WRAPPED = []
 def instrument(engine: Engine) -> None:
     """Timers around the parts of a step (class attributes once, so every sequence's objects are covered)."""
     wrap(engine.decoder, "_run", DECODER_TIMER)  # every call: prefill, decode, mixed
-    wrap(engine, "_run_mixed", "  decode step + prompt piece in one mixed call (incl. their stores)")
+    wrap(engine.runner, "mixed", "  decode step + prompt piece in one mixed call (incl. their stores)")
     if not _CLASSES_WRAPPED:
         wrap(slot_cache_module.SlotCache, "append", "cache.append (policy + writes)")
         wrap(KVpopPolicy, "observe", "  kvpop policy.observe (incl. scorer)")
@@ -202,11 +203,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict[str, dict] = defaultdict(dict)
     for policy in args.policies:
-        engine = Engine(
-            DecoderStep(args.model, mixed=not args.no_mixed), max_batch_size=max(16, args.reason_streams), prefill_chunk=args.prefill_chunk,
-            learned_scorers=load_learned_scorers(args.model), prefill_pacing=args.prefill_pacing or None,
-            min_bounded_chunk=args.min_chunk,
-        )
+        engine = Engine(DecoderStep(args.model, mixed=not args.no_mixed), EngineConfig(max_batch_size=max(16, args.reason_streams), prefill_chunk=args.prefill_chunk, prefill_pacing=args.prefill_pacing or None, min_bounded_chunk=args.min_chunk), learned_scorers=load_learned_scorers(args.model))
         instrument(engine)
         for label, arrivals in scenarios(engine.spec.vocab_size, policy, args.reason_tokens, args.reason_streams).items():
             if label.split()[0] not in args.scenarios:

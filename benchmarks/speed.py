@@ -55,13 +55,15 @@ from pathlib import Path
 import numpy as np
 
 from kvpop.cache import SlotCache
-from kvpop.cache.decode_batch import batch_group
+
 from kvpop.cache.manager import Allocation, append_output
 from kvpop.decoder import DecoderStep
-from kvpop.engine import CacheConfig, Engine, GenerationRequest, SamplingParams, _Sequence, load_learned_scorers
-from kvpop.policies.scorers import TokenScorer
+from kvpop.engine import Engine, EngineConfig, load_learned_scorers
+from kvpop.engine.sequence import Sequence
+from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
+from kvpop.policies.kvpop.scorers import TokenScorer
 from kvpop.sampling import Sampler
-from kvpop.scorer import LEARNED_SCORER_KINDS
+from kvpop.policies.kvpop.kinds import LEARNED_SCORER_KINDS
 
 FULL_RUN = dict(
     contexts=(512, 1024, 2048, 4096, 8192, 16384),
@@ -149,9 +151,9 @@ def prefill_snapshots(decoder: DecoderStep, cache: CacheConfig, prompt: list[int
 
 
 def check_snapshot(decoder: DecoderStep, cache: CacheConfig, prompt: list[int], snapshot, prefill_chunk: int, learned_scorers: dict) -> float:
-    """The snapshot equals what Engine._prefill leaves for the same prompt (max |key diff|)."""
-    engine = Engine(decoder, max_batch_size=1, prefill_chunk=prefill_chunk, learned_scorers=learned_scorers)
-    sequence = engine._prefill(GenerationRequest("check", prompt, SamplingParams(max_tokens=1), cache))
+    """The snapshot equals what Engine.prefill leaves for the same prompt (max |key diff|)."""
+    engine = Engine(decoder, EngineConfig(max_batch_size=1, prefill_chunk=prefill_chunk), learned_scorers=learned_scorers)
+    sequence = engine.prefill(GenerationRequest("check", prompt, SamplingParams(max_tokens=1), cache))
     mine, theirs = snapshot[0], sequence.cache
     assert mine.length == theirs.length and mine.tokens_seen == theirs.tokens_seen
     assert np.array_equal(mine.position[..., : mine.length], theirs.position[..., : theirs.length])
@@ -165,9 +167,9 @@ class SnapshotEngine(Engine):
         super().__init__(*args, **kwargs)
         self.snapshot = snapshot
 
-    def _new_sequence(self, request: GenerationRequest) -> _Sequence:
+    def _new_sequence(self, request: GenerationRequest) -> Sequence:
         cache, logits = self.snapshot
-        sequence = _Sequence(request=request, allocation=Allocation(copy_cache(cache)), sampler=Sampler(request.sampling))
+        sequence = Sequence(request=request, allocation=Allocation(copy_cache(cache)), sampler=Sampler(request.sampling))
         sequence.prefilled = len(request.prompt_ids)
         sequence.pending_token = sequence.sampler(logits)
         return sequence
@@ -244,7 +246,7 @@ def time_point(decoder, snapshots: dict, configs: dict, hf_model, prompt, batch:
     load from other processes on a shared machine hits all systems alike."""
     engines = {}
     for name, cache in configs.items():
-        engine = SnapshotEngine(decoder, max_batch_size=batch, snapshot=snapshots[name], learned_scorers=learned_scorers)
+        engine = SnapshotEngine(decoder, config=EngineConfig(max_batch_size=batch), snapshot=snapshots[name], learned_scorers=learned_scorers)
         sampling = SamplingParams(max_tokens=warmup + steps + block + 2, ignore_eos=True)
         for index in range(batch):
             engine.add_request(GenerationRequest(f"b{index}", [3], sampling, cache))
@@ -277,8 +279,8 @@ def time_point(decoder, snapshots: dict, configs: dict, hf_model, prompt, batch:
             kv_bytes = 2 * decoder.spec.num_layers * batch * decoder.spec.num_kv_heads * snapshots["full"][0].length * decoder.spec.head_dim * decoder.dtype.itemsize
             rows[name] = {**summarize(values, batch), "kv_bytes": kv_bytes}
         else:
-            # Whether the decode steps took the vectorised kvpop path (kvpop.cache.decode_batch).
-            vectorised = all(batch_group(sequence.cache) is not None for sequence in engines[name]._running.values())
+            # Whether the decode steps took the vectorised kvpop path (kvpop.policies.kvpop.decode_batch).
+            vectorised = all(sequence.cache.policy.decode_group(sequence.cache) is not None for sequence in (engines[name].sequence(name) for name in engines[name].state().decoding))
             rows[name] = {**summarize(values, batch), "kv_bytes": engines[name].kv_bytes_in_use, "cache_slots": engines[name].cache_manager.pool.slots, "vectorised_decode": vectorised}
     del engines, hf_base
     gc.collect()  # a pool and its bound caches refer to each other: free them now, not at some later gc
@@ -314,7 +316,7 @@ def _memory_worker(model_dir: str, cache: CacheConfig, tokens: int, prompt_token
     import psutil
 
     decoder = DecoderStep(Path(model_dir), threads=threads)
-    engine = Engine(decoder, max_batch_size=1, learned_scorers=load_learned_scorers(Path(model_dir)) if cache.learned_scorer else None)
+    engine = Engine(decoder, EngineConfig(max_batch_size=1), learned_scorers=load_learned_scorers(Path(model_dir)) if cache.learned_scorer else None)
     prompt = random_prompt(decoder.spec.vocab_size, prompt_tokens)
     engine.add_request(GenerationRequest("m", prompt, SamplingParams(max_tokens=tokens, ignore_eos=True), cache))
     process, samples, generated = psutil.Process(), [], 0

@@ -28,14 +28,15 @@ import numpy as np
 
 from benchmarks.profile_engine import CALLS, DECODER_TIMER, TIMERS, instrument, prompt
 from kvpop.decoder import DecoderStep
-from kvpop.engine import CacheConfig, Engine, GenerationRequest, SamplingParams, load_learned_scorers
+from kvpop.engine import Engine, EngineConfig, load_learned_scorers
+from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
 from kvpop.model_spec import ModelSpec
 
 STRETCH = 250  # tokens per row of the server's gap table
 
 
 def engine_steady(model: Path, budget: int, streams: int, prompt_tokens: int, fill: int, steps: int, scorer: str) -> dict:
-    engine = Engine(DecoderStep(model), max_batch_size=streams, learned_scorers=load_learned_scorers(model))
+    engine = Engine(DecoderStep(model), EngineConfig(max_batch_size=streams), learned_scorers=load_learned_scorers(model))
     instrument(engine)
     rng = np.random.default_rng(0)
     for index in range(streams):
@@ -54,7 +55,7 @@ def engine_steady(model: Path, budget: int, streams: int, prompt_tokens: int, fi
         start = time.perf_counter()
         engine.step()
         walls.append(time.perf_counter() - start)
-    caches_full = all(sequence.cache.length == budget for sequence in engine._running.values())
+    caches_full = all(engine.sequence(name).cache.length == budget for name in engine.state().decoding)
     decoder_ms = TIMERS[DECODER_TIMER] / steps * 1e3
     return {
         "streams": streams, "budget": budget, "caches_full": caches_full,

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from kvpop.decoder import DecoderStep
-from kvpop.scorer.runtime import ScorerRuntime
+from kvpop.policies.kvpop.runtime import ScorerRuntime
 
 BATCHES = (1, 4, 8, 16)
 SLOTS = (128, 512, 1024, 2048)

@@ -1,7 +1,7 @@
 """The slot writer: a two-node ONNX graph that writes changed slots into a device-resident KV cache.
 
 Why a graph and not a host copy: with the CUDA execution provider the batch's keys and values live in
-GPU memory (kvpop.cache.device_store). After each step the slot cache has overwritten one slot per head
+GPU memory (kvpop.device_store). After each step the slot cache has overwritten one slot per head
 and sequence on the host; re-uploading the whole cache would copy 2 * L * B * Hkv * S * D numbers per
 token, which is exactly the traffic a bounded cache exists to avoid. This graph scatters only the T
 changed slots per head (ScatterElements along the slot axis), so a decode step moves O(new tokens).
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvpop.cache.device_store import SLOT_AXIS, SLOT_WRITER_FILE
+from kvpop.device_store import SLOT_AXIS, SLOT_WRITER_FILE
 
 
 def build_slot_writer(dtype: str = "float32"):

@@ -10,7 +10,7 @@ from typing import NamedTuple
 import numpy as np
 import onnxruntime as ort
 
-from kvpop.cache.device_store import SLOT_WRITER_FILE, DeviceKVStore
+from kvpop.device_store import SLOT_WRITER_FILE, DeviceKVStore
 from kvpop.model_spec import ModelSpec
 
 # Where export writes the lean step variants (export/step_variants.py; kept in sync with it).
@@ -66,7 +66,7 @@ class DecoderStep:
     `mixed=False` ignores the mixed step (every call separate, as before it existed: for comparisons).
 
     `resident`: keep the batch pool's cache in the decoder's device memory between steps (IO binding,
-    kvpop.cache.device_store). Default: on when the CUDA provider runs the step; "cpu" works too. The
+    kvpop.device_store). Default: on when the CUDA provider runs the step; "cpu" works too. The
     decoder builds the `device_store` (it knows its provider and device); the engine's cache manager
     keeps it in sync with the batch pool and hands `run` its device arrays.
     """

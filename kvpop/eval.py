@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from kvpop.engine import CacheConfig, Engine, GenerationRequest, SamplingParams
+from kvpop.engine import Engine, EngineConfig
+from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
 from kvpop.policies import POLICIES
 
 SWEEP_COMPRESSIONS = (0.0, 0.5, 0.75, 0.88, 0.94)
@@ -101,7 +102,7 @@ def evaluate(
         "mean_budget": sum(row["budget"] for row in rows) / count,
         "max_peak_kv_bytes": max(row["peak_kv_bytes"] for row in rows),
         # prompts prefilled whole, then evicted (Engine whole_prompt_tokens): they held all their keys meanwhile
-        "prefilled_whole": sum(engine.prefills_whole(policy, row["budget"] if policy.evicts else None, row["prompt_tokens"])
+        "prefilled_whole": sum(engine.scheduler.prefills_whole(policy, row["budget"] if policy.evicts else None, row["prompt_tokens"])
                                for row in rows),
         "generated_tokens_per_s": sum(row["output_tokens"] for row in rows) / seconds,
         "seconds": seconds,
@@ -341,8 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--model and --tasks are required (except with --merge)")
 
     tasks = load_tasks(args.tasks, args.limit)
-    engine = Engine.from_model_dir(args.model, device=args.device, max_batch_size=args.batch_size, prefill_chunk=args.prefill_chunk,
-                                   whole_prompt_tokens=args.whole_prompt_tokens)
+    engine = Engine.from_model_dir(args.model, EngineConfig(max_batch_size=args.batch_size, prefill_chunk=args.prefill_chunk, whole_prompt_tokens=args.whole_prompt_tokens), device=args.device)
     if args.sweep:
         if args.out_dir is None:
             parser.error("--sweep needs --out-dir")

@@ -2,5 +2,5 @@
 
   - `kvpop_train.reference`: the reference model (tokenizer, curriculum, trainer, evaluation).
   - `kvpop_train.scorer`: the learned KVpop scorer's network (torch), training traces and targets,
-    training loop and ONNX export. At serve time `kvpop.scorer.runtime` runs the exported ONNX.
+    training loop and ONNX export. At serve time `kvpop.policies.kvpop.runtime` runs the exported ONNX.
 """

@@ -120,14 +120,15 @@ def test_a_float16_export_keeps_parity_and_serves_the_same_greedy_tokens(tiny_hf
     against the float32 model at its own tolerance; the engine runs every policy on it (the learned
     scorer reads float16 keys), with half the KV bytes, and on the tiny model the same greedy tokens."""
     from export.parity import PARITY_TOLERANCES
-    from kvpop.engine import CacheConfig, Engine, GenerationRequest, SamplingParams
+    from kvpop.engine import Engine, EngineConfig
+    from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
 
     report = export_model(tiny_hf_model_dir, tmp_path / "fp16", dtype="float16")
     assert report["parity"]["passed"] and report["parity"]["tolerance"] == PARITY_TOLERANCES["float16"]
     assert report["parity"]["top1_agreement"] == 1.0
     assert ModelSpec.load(tmp_path / "fp16").dtype == "float16"
     assert DecoderStep(tmp_path / "fp16", threads=1).empty_cache(slots=2)[0].dtype == np.float16
-    half, single = Engine.from_model_dir(tmp_path / "fp16", prefill_chunk=16), Engine.from_model_dir(tiny_onnx_model_dir, prefill_chunk=16)
+    half, single = Engine.from_model_dir(tmp_path / "fp16", EngineConfig(prefill_chunk=16)), Engine.from_model_dir(tiny_onnx_model_dir, EngineConfig(prefill_chunk=16))
     prompt = list(range(3, 60))
     for config in (CacheConfig(policy="full"), CacheConfig(policy="kvpop", budget=24, sinks=2, scorer="mlstm"),
                    CacheConfig(policy="h2o", budget=24, window=4)):

@@ -97,7 +97,8 @@ def _hardest_passed_gate() -> TaskConfig | None:
 
 def test_shipped_model_answers_test_tasks(reference_onnx_model_dir) -> None:
     """Through the one accuracy harness (kvpop.eval): the exported model, run by the engine."""
-    from kvpop.engine import CacheConfig, Engine
+    from kvpop.engine import Engine
+    from kvpop.request import CacheConfig
     from kvpop.eval import evaluate
 
     gate = _hardest_passed_gate()

@@ -315,7 +315,7 @@ def test_onnx_export_matches_torch(exported):
 
 @pytest.mark.parametrize("kind", ["mlstm", "mlp"])
 def test_runtime_state_roundtrip(exported, kind):
-    from kvpop.scorer.runtime import ScorerRuntime, ScorerState
+    from kvpop.policies.kvpop.runtime import ScorerRuntime, ScorerState
 
     directory, scorers, _ = exported
     runtime = ScorerRuntime(directory, kind)
@@ -348,7 +348,7 @@ def test_shared_ranking_scores_a_token_alike_in_every_cache(exported, kind, tmp_
     from kvpop.cache import SlotCache
     from kvpop.model_spec import ModelSpec
     from kvpop.policies.kvpop import KVpopPolicy
-    from kvpop.scorer.runtime import LearnedScorer, ScorerRuntime
+    from kvpop.policies.kvpop.runtime import LearnedScorer, ScorerRuntime
     from kvpop_train.scorer.onnx_export import export_scorer
 
     directory, scorers, _ = exported
@@ -382,7 +382,7 @@ def test_shared_ranking_scores_a_token_alike_in_every_cache(exported, kind, tmp_
 def test_runtime_decode_graph_matches_one_sequence_steps(exported):
     """The exported decode graph (scorer_mlstm.decode.onnx) for B sequences gives each sequence what
     its own call of the chunk graph gives, scores and states, from B different warm states."""
-    from kvpop.scorer.runtime import ScorerRuntime
+    from kvpop.policies.kvpop.runtime import ScorerRuntime
 
     directory, _, _ = exported
     runtime = ScorerRuntime(directory, "mlstm")
@@ -407,7 +407,7 @@ def test_runtime_decode_graph_reuses_its_outputs_only_for_the_same_states(export
     """Consecutive decode calls with the states the last call returned feed its outputs as they are;
     a state replaced in between (a copy, a new order, fewer sequences) is stacked anew: every call
     gives each sequence what its own single step gives."""
-    from kvpop.scorer.runtime import ScorerRuntime
+    from kvpop.policies.kvpop.runtime import ScorerRuntime
 
     directory, _, _ = exported
     runtime = ScorerRuntime(directory, "mlstm")
@@ -436,7 +436,7 @@ def test_kvpop_policy_with_learned_scorer_gives_training_scores(exported, kind):
     from kvpop.cache import SlotCache
     from kvpop.model_spec import ModelSpec
     from kvpop.policies.kvpop import SCORE, KVpopPolicy
-    from kvpop.scorer.runtime import LearnedScorer
+    from kvpop.policies.kvpop.runtime import LearnedScorer
 
     directory, scorers, _ = exported
     config = CONFIGS[kind]
@@ -468,7 +468,7 @@ def test_learned_scorer_with_attention_feature_sees_what_traces_record(tiny_hf_m
     from kvpop.cache import SlotCache
     from kvpop.model_spec import ModelSpec
     from kvpop.policies.kvpop import SCORE, KVpopPolicy
-    from kvpop.scorer.runtime import LearnedScorer
+    from kvpop.policies.kvpop.runtime import LearnedScorer
     from kvpop_train.scorer.onnx_export import export_scorer
     from kvpop_train.scorer.traces import collect_traces
 

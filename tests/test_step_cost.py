@@ -22,7 +22,7 @@ def test_step_cost_writes_medians_and_a_linear_fit_per_batch(tiny_onnx_model_dir
 
 
 def test_step_cost_times_the_exported_scorers_decode_batch_graph(tiny_onnx_model_dir, tmp_path):
-    from kvpop.scorer.runtime import ScorerRuntime
+    from kvpop.policies.kvpop.runtime import ScorerRuntime
 
     out = tmp_path / "step_cost.json"
     step_cost.main(["--model", str(tiny_onnx_model_dir), "--out", str(out), "--repetitions", "1",

@@ -1,20 +1,21 @@
 """The cache manager: the one owner of every sequence's KV state, running or kept between turns.
 
-Why a facade (as vLLM's `kv_cache_manager.py` over `block_pool.py`): the engine schedules requests
-and runs the decoder; where keys and values live, how big they may get and how they are kept across
-turns is one concern, and it used to be spread over the engine, the admission code, the policies and
-the pool. The engine now talks to this class alone for cache things and gets small results back
-(`Allocation`, the decoder's past arrays), never the pool or the store.
+Why a facade (as vLLM's `kv_cache_manager.py` over `block_pool.py`): the engine schedules requests and
+runs the decoder; where keys and values live, how big they may get and how they are kept across turns
+is one concern. The engine, admission and the serving layer talk to this class (and its sizing
+functions) alone for cache things and get small results back (`Allocation`, `GenerationResult`, the
+decoder's past arrays), never the pool, the store or a policy's internals.
 
 What it owns:
-  - the slot caches of running sequences, by request id (`allocate` / `free`);
+  - the slot caches of running sequences, by request id (`allocate` / `finish` / `free`), each with
+    what its policy made of the prompt (`EvictionPolicy.prompt_state`);
   - the batch pool whose rows the decoding caches view (zero-copy), and the device mirror of that
     pool when the decoder keeps the cache in device memory (`DeviceKVStore`, built by the decoder,
     which knows its provider; synced only here);
   - admission sizing: the slots a request's storage can take, in whole `GROWTH_BLOCK`s
-    (`slots_needed`, what `kvpop.serving.admission` reserves);
+    (`slots_needed`, `round_up_slots`, `padded_bytes`: what `kvpop.serving.admission` reserves);
   - the session store (hot / warm / cold tiers, `kvpop.sessions.store`): `save_session`,
-    `restore_session` (inside `allocate`), `close_session`;
+    `restore_session` (inside `allocate`), `close_session`; snapshots by `kvpop.cache.snapshot`;
   - the warm prefixes (`kvpop.cache.prefix_cache`): `save_prefix` at load, a copy of the longest
     matching one inside `allocate` when no session state continues the request.
 
@@ -22,41 +23,45 @@ Flow of one engine step:
   1. admit: `allocate(request)` returns the sequence's cache: the session's saved state when the
      prompt continues it, else a warm prefix's state when the prompt starts with one, else an empty
      cache reserved at its worst case (each a copy the sequence owns);
-  2. prefill: `prefill_inputs(caches, staged)` gives the decoder one cache's own arrays (no copy) or,
+  2. prefill: `prefill_inputs(request_ids)` gives the decoder one cache's own arrays (no copy) or,
      for a batched chunk or a piece of one, stacked copies padded to the largest (a chunk's earlier
      pieces after the cache's slots); `store_pieces` appends each row whose chunk is whole and stages
      the rest (the policy decides, the slot cache applies);
   3. decode: `decode_inputs(caches)` binds the caches to the pool's rows (copies only when the batch
      changes), syncs the device mirror (scattered written slots), returns what the decoder reads in
-     place; `store_decode` appends the new tokens (full kvpop caches vectorised together,
-     `kvpop.cache.decode_batch`);
-  4. finish: `save_session` (a copy of the cache) when the turn keeps its session, then `free`;
-     `release_batch` when nothing decodes any more.
+     place; `store_decode` appends the new tokens (caches whose policy names a decode group, together:
+     `EvictionPolicy.append_decode_group`);
+  4. finish: `finish` builds the result, keeps the session (a copy of the cache) or closes it, frees
+     the cache; `release_batch` when nothing decodes any more.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import defaultdict
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvpop.cache.decode_batch import append_decode_batch
-from kvpop.cache.pool import BatchSlotPool
+from kvpop.cache.pool import BatchSlotPool, padded_bytes
 from kvpop.cache.prefix_cache import PrefixCache
-from kvpop.cache.slot_cache import SlotCache, round_up_slots
-from kvpop.cache.staged_chunk import StagedChunk
+from kvpop.cache.slot_cache import GROWTH_BLOCK, SlotCache, round_up_slots
 from kvpop.model_spec import ModelSpec
-from kvpop.sessions import SessionState, SessionStore, capture_state, restore_cache
+from kvpop.policies import POLICIES, EvictionPolicy
+from kvpop.request import FinishReason, GenerationResult, Tier
+from kvpop.policies.kvpop import learned_scorer
+from kvpop.cache.snapshot import capture_state, restore_cache
+from kvpop.cache.staging import PromptStaging, append_output
+from kvpop.sessions import SessionState, SessionStore
 
 if TYPE_CHECKING:
     import onnxruntime as ort
 
-    from kvpop.cache.device_store import DeviceKVStore
+    from kvpop.device_store import DeviceKVStore
     from kvpop.decoder import StepOutput
-    from kvpop.engine import CacheConfig, GenerationRequest
     from kvpop.policies import TokenScorer
+    from kvpop.request import CacheConfig, GenerationRequest
 
 log = logging.getLogger(__name__)
 PREFIX_FINGERPRINT = "warm-prefix"  # snapshots live and die with the loaded model: no model fingerprint needed
@@ -68,7 +73,7 @@ class Allocation:
 
     cache: SlotCache
     tokens_reused: int = 0  # prompt tokens already in `cache` (not to be computed again)
-    session_tier: str | None = None  # the session's state came from this tier (hot / warm / cold)
+    session_tier: Tier | None = None  # the session's state came from this tier
     prefix_lookup: bool = False  # the warm prefixes were searched for this request
     prefix_tokens_reused: int = 0  # of `tokens_reused`, those that came from a warm prefix
 
@@ -84,13 +89,6 @@ def slots_needed(config: "CacheConfig", prompt_tokens: int, max_tokens: int) -> 
     return round_up_slots(reserved_slots(config.resolve_budget(prompt_tokens, max_tokens), prompt_tokens, max_tokens))
 
 
-def append_output(cache: SlotCache, out: "StepOutput", row: int) -> None:
-    """Append row `row` of a decoder step's new tokens (and the attention its policy reads) to `cache`."""
-    attention = None if out.attention is None else out.attention[:, row]
-    chunk_attention = None if out.chunk_attention is None else out.chunk_attention[:, row]
-    cache.append(out.new_key[:, row], out.new_value[:, row], attention, chunk_attention)
-
-
 class CacheManager:
     """Every running sequence's slot cache, the batch pool they share and the sessions kept after them.
 
@@ -103,8 +101,10 @@ class CacheManager:
         sessions: SessionStore | None = None,
         learned_scorers: "dict[str, TokenScorer] | None" = None,
         prefixes: PrefixCache | None = None,
+        tokenizer: Any = None,
     ) -> None:
         self.spec = spec
+        self.tokenizer = tokenizer  # what policies that read the prompt's text see it with (None: none)
         self.dtype = np.dtype(spec.dtype)
         self.device_store = device_store
         self.pool = BatchSlotPool(spec, track_writes=device_store is not None)
@@ -112,7 +112,22 @@ class CacheManager:
         self.learned_scorers = learned_scorers or {}  # kind -> scorer shared by every sequence
         self.prefixes = prefixes if prefixes is not None else PrefixCache()  # shared by a service's engines
         self._caches: dict[str, SlotCache] = {}  # request id -> cache of a running sequence
+        self.staging = PromptStaging(spec)  # prompt chunks computed in pieces, by request id
         self.batch_decode = True  # vectorised decode appends (False: every append per sequence, as a check)
+        # The last decode step's vectorised groups (EvictionPolicy.append_decode_group) by group key: kept
+        # so the next step with the same caches does not stack their per-slot arrays again.
+        self._decode_groups: dict = {}
+        for policy in POLICIES.values():
+            policy.prepare(self.learned_scorers, tokenizer, spec.vocab_size)
+
+    def check(self, config: "CacheConfig") -> None:
+        """ValueError unless this model can run `config` (a learned scorer it names is loaded)."""
+        if config.learned_scorer is not None:
+            learned_scorer(config.learned_scorer, self.learned_scorers)
+
+    def policy_for(self, config: "CacheConfig") -> EvictionPolicy:
+        """A new policy instance for a cache of this configuration."""
+        return config.build_policy(self.learned_scorers)
 
     # -- running sequences ----------------------------------------------------------------------
 
@@ -126,54 +141,78 @@ class CacheManager:
             allocation = self.restore_prefix(request, budget)
         if allocation is None:
             allocation = Allocation(self._empty(request, budget))
-        self._caches[request.request_id] = allocation.cache
+        cache = allocation.cache
+        cache.prompt_state = cache.policy.prompt_state(request.prompt_ids, self.tokenizer, self.spec.vocab_size)
+        self._caches[request.request_id] = cache
         return allocation
 
     def _empty(self, request: "GenerationRequest", budget: int | None) -> SlotCache:
         """A new cache; a bounded one takes its whole storage now (what admission reserved)."""
         initial = 0 if budget is None else reserved_slots(budget, len(request.prompt_ids), request.sampling.max_tokens)
-        return SlotCache(self.spec, request.cache.build_policy(self.learned_scorers), budget, initial)
+        return SlotCache(self.spec, self.policy_for(request.cache), budget, initial)
+
+    def finish(self, allocation: Allocation, request: "GenerationRequest", output_ids: list[int], reason: FinishReason,
+               matched_stop: str | None = None) -> GenerationResult:
+        """A sequence's end: its result from its cache, its session kept (a copy of the cache and the
+        tokens it has seen: all but the last sampled one) or closed as the request asks, its cache freed."""
+        cache = allocation.cache
+        result = GenerationResult(
+            request_id=request.request_id,
+            prompt_ids=request.prompt_ids,
+            output_ids=output_ids,
+            finish_reason=reason,
+            budget=cache.budget if cache.budget is not None else cache.length,
+            peak_kv_bytes=cache.peak_bytes,
+            tokens_evicted=cache.tokens_evicted,
+            compression=cache.tokens_evicted / cache.tokens_seen if cache.tokens_seen else 0.0,
+            tokens_seen=cache.tokens_seen,
+            policy=request.cache.policy,
+            matched_stop=matched_stop,
+            tokens_reused=allocation.tokens_reused,
+            session_tier=allocation.session_tier,
+            prefix_lookup=allocation.prefix_lookup,
+            prefix_tokens_reused=allocation.prefix_tokens_reused,
+        )
+        if request.session_id is not None and request.end_session:
+            self.close_session(request.session_id)
+        elif request.session_id is not None and reason != FinishReason.CANCELLED:
+            history = (request.prompt_ids + output_ids)[: cache.tokens_seen]
+            self.save_session(request.session_id, cache, history, request.cache)
+        self.free(request.request_id)
+        return result
 
     def free(self, request_id: str) -> None:
         """Forget a finished sequence's cache (its pool row goes at the next repack or release)."""
         self._caches.pop(request_id, None)
+        self.staging.drop(request_id)
 
     def release_batch(self) -> None:
         """Drop the batch pool's arrays (nothing is decoding)."""
         self.pool.release()
+        self._decode_groups = {}
 
     @property
     def kv_bytes_in_use(self) -> int:
-        """Key/value bytes held now: the batch pool plus caches outside it (being prefilled)."""
+        """Key/value bytes held now: the batch pool, caches outside it (being prefilled) and the prompt
+        chunks staged beside them (a whole prompt while it is computed in pieces)."""
         outside = sum(cache.nbytes for cache in self._caches.values() if cache.storage_owner is not self.pool)
-        return self.pool.nbytes + outside
+        return self.pool.nbytes + outside + self.staging.nbytes
 
     # -- what the decoder reads and what it returns -----------------------------------------------
 
-    def prefill_inputs(
-        self, caches: list[SlotCache], staged: "list[StagedChunk | None] | None" = None
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(past_key, past_value, slot_mask) for a prompt chunk (or piece) of `caches`: (L, B, Hkv, S, D)
-        twice, (B, S). `staged[r]`: row r's chunk computed so far, as valid slots after its cache's."""
-        extra = [0 if piece is None else piece.length for piece in staged] if staged else [0] * len(caches)
-        if len(caches) == 1 and not extra[0]:  # the cache's own arrays, no copy
-            cache = caches[0]
-            return cache.key[:, None], cache.value[:, None], cache.slot_mask()[None]
-        slots = max(cache.capacity + more for cache, more in zip(caches, extra))  # stacked and padded (padding is masked)
-        shape = (self.spec.num_layers, len(caches), self.spec.num_kv_heads, slots, self.spec.head_dim)
-        past_key, past_value, slot_mask = np.zeros(shape, self.dtype), np.zeros(shape, self.dtype), np.zeros((len(caches), slots), bool)
-        for row, (cache, more) in enumerate(zip(caches, extra)):
-            past_key[:, row, :, : cache.capacity] = cache.key
-            past_value[:, row, :, : cache.capacity] = cache.value
-            slot_mask[row, : cache.capacity] = cache.slot_mask()
-            if more:
-                piece = staged[row]
-                if piece.capacity != cache.capacity:
-                    raise RuntimeError("a cache changed while its prompt chunk was staged")
-                past_key[:, row, :, cache.capacity : cache.capacity + more] = piece.key
-                past_value[:, row, :, cache.capacity : cache.capacity + more] = piece.value
-                slot_mask[row, cache.capacity : cache.capacity + more] = True
-        return past_key, past_value, slot_mask
+    def prefill_inputs(self, request_ids: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(past_key, past_value, slot_mask) for a prompt chunk (or piece) of these sequences: (L, B, Hkv, S,
+        D) twice, (B, S); a chunk's pieces computed so far are valid slots after the cache's."""
+        return self.staging.inputs([self._caches[request_id] for request_id in request_ids], request_ids)
+
+    def store_pieces(self, request_ids: list[str], chunk_lengths: list[int], out: "StepOutput") -> None:
+        """Row r of a prompt call: staged, and appended to its cache with the pieces before it once its
+        chunk of `chunk_lengths[r]` tokens is whole (kvpop.cache.staging)."""
+        self.staging.store([self._caches[request_id] for request_id in request_ids], request_ids, chunk_lengths, out)
+
+    def staged_tokens(self, request_id: str) -> int:
+        """Tokens of the sequence's current prompt chunk computed but not yet in its cache."""
+        return self.staging.length(request_id)
 
     def decode_inputs(self, caches: list[SlotCache]) -> "tuple[np.ndarray | ort.OrtValue, np.ndarray | ort.OrtValue, np.ndarray]":
         """(past_key, past_value, slot_mask) for a decode step of `caches`: the pool's arrays (or their
@@ -185,44 +224,27 @@ class CacheManager:
         key, value = self.device_store.sync(self.pool)
         return key, value, slot_mask
 
-    @staticmethod
-    def store_pieces(
-        caches: list[SlotCache], staged: "list[StagedChunk | None]", chunk_lengths: list[int], out: "StepOutput"
-    ) -> "list[StagedChunk | None]":
-        """Row r of a prompt call (a whole chunk or a piece of one): staged after `staged[r]` (the policy
-        sees the piece: `EvictionPolicy.stage`), and appended to caches[r] with the pieces before it
-        once its chunk of `chunk_lengths[r]` tokens is whole. A cache that evicts nothing takes every
-        piece as it comes (appending it now is what appending the whole chunk later would do). Each
-        row's staged chunk after the call (None: in its cache)."""
-        after, length = [], out.new_key.shape[3]
-        for row, (cache, piece, chunk_length) in enumerate(zip(caches, staged, chunk_lengths)):
-            done = (0 if piece is None else piece.length) + length == chunk_length or not cache.policy.evicts
-            if piece is None and done:
-                append_output(cache, out, row)
-                after.append(None)
-                continue
-            key, value = out.new_key[:, row], out.new_value[:, row]  # (L, Hkv, t, D)
-            attention = None if out.attention is None else out.attention[:, row]  # (L, Hq, t, S)
-            chunk_attention = None if out.chunk_attention is None else out.chunk_attention[:, row]
-            if piece is None:
-                piece = StagedChunk.first(cache.capacity, key, value, attention, chunk_attention)
-            else:
-                piece.add(key, value, attention, chunk_attention)
-            cache.policy.stage(cache, piece, slice(piece.length - length, piece.length), chunk_length)
-            if done:
-                cache.append(piece.key, piece.value, piece.attention, piece.chunk_attention)
-                piece = None
-            after.append(piece)
-        return after
-
     def store_decode(self, caches: list[SlotCache], out: "StepOutput") -> None:
         """A decode step's new tokens (caches bound by `decode_inputs`, in its order): full kvpop caches
-        in vectorised groups (kvpop.cache.decode_batch), the rest one by one."""
-        rows = range(len(caches))
-        if self.batch_decode:
-            rows = append_decode_batch(caches, self.pool, out.new_key, out.new_value)
+        in vectorised groups (kvpop.policies.kvpop.decode_batch), the rest one by one."""
+        rows = self._append_decode_groups(caches, out) if self.batch_decode else range(len(caches))
         for row in rows:
             append_output(caches[row], out, row)
+
+    def _append_decode_groups(self, caches: list[SlotCache], out: "StepOutput") -> list[int]:
+        """Append every cache whose policy names a decode group, a group at a time; the rows left."""
+        groups: dict = defaultdict(list)
+        rest = []
+        for row, cache in enumerate(caches):
+            group = cache.policy.decode_group(cache)
+            (rest if group is None else groups[group]).append(row)
+        stacked = {}  # kept for the next step: only this step's groups (finished caches are let go)
+        for group, rows in groups.items():
+            policy = caches[rows[0]].policy
+            stacked[group] = policy.append_decode_group([caches[row] for row in rows], np.array(rows), self.pool,
+                                                        out.new_key, out.new_value, self._decode_groups.get(group))
+        self._decode_groups = stacked
+        return rest
 
     # -- sessions -------------------------------------------------------------------------------
 
@@ -238,7 +260,7 @@ class CacheManager:
 
     def _continue(self, state: SessionState, request: "GenerationRequest", budget: int | None) -> SlotCache:
         """A new cache continuing `state` (its own copies), with the request's worst case reserved."""
-        cache = restore_cache(state, self.spec, request.cache.build_policy(self.learned_scorers))
+        cache = restore_cache(state, self.spec, self.policy_for(request.cache))
         if budget is not None:
             cache.reserve(reserved_slots(budget, len(request.prompt_ids), request.sampling.max_tokens))
         return cache
@@ -276,4 +298,7 @@ class CacheManager:
         return self.sessions.hot_bytes if self.sessions is not None else 0
 
 
-__all__ = ["Allocation", "CacheManager", "PrefixCache", "append_output", "reserved_slots", "slots_needed"]
+__all__ = [
+    "GROWTH_BLOCK", "Allocation", "CacheManager", "PrefixCache", "append_output", "padded_bytes", "reserved_slots", "round_up_slots",
+    "slots_needed",
+]

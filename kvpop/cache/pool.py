@@ -26,6 +26,11 @@ from kvpop.model_spec import ModelSpec
 GROWTH_HEADROOM = 0.125
 
 
+def padded_bytes(slot_counts: list[int], bytes_per_slot: int) -> int:
+    """Bytes of a pool holding caches of these sizes (slots per head): every row padded to the largest."""
+    return len(slot_counts) * max(slot_counts, default=0) * bytes_per_slot
+
+
 class BatchSlotPool:
     def __init__(self, spec: ModelSpec, track_writes: bool = False) -> None:
         self.spec = spec
@@ -35,9 +40,6 @@ class BatchSlotPool:
         self.value = self._zeros(0, 0)
         self.track_writes = track_writes  # for a device mirror; without one, writes cost no bookkeeping
         self.repacks = 0  # a device mirror re-uploads everything when this changes
-        # The last decode step's vectorised groups (kvpop.cache.decode_batch): their caches' per-slot
-        # arrays side by side, kept so the next step with the same caches does not stack them again.
-        self.decode_groups: dict = {}
 
     def _zeros(self, batch: int, slots: int) -> np.ndarray:
         spec = self.spec
@@ -92,4 +94,3 @@ class BatchSlotPool:
 
     def release(self) -> None:
         self.bind([])
-        self.decode_groups = {}

@@ -5,7 +5,7 @@ Why snapshots of whole cache states and not shared blocks (vLLM's prefix caching
 has no token-addressed blocks to share; its slots are overwritten in place by the running sequence.
 So a prefix is kept as the complete state a cold prefill leaves after it (slots, positions,
 statistics, policy and scorer state: a `SessionState`), and a request starts from a COPY of it
-(`restore_cache` copies every array), never from the snapshot itself.
+(`kvpop.cache.snapshot.restore_cache` copies every array), never from the snapshot itself.
 
 A snapshot is specific to the cache configuration it was made with: policy, budget, sinks, window,
 seed and scorer (`CacheConfig` as a dict) must all be equal for a hit. What reuse gives:
@@ -26,7 +26,7 @@ and the longest matching prefix wins; there is no eviction.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 from kvpop.sessions import SessionState
 
@@ -39,6 +39,9 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(self._snapshots)
+
+    def __iter__(self) -> Iterator[SessionState]:
+        return iter(list(self._snapshots))
 
     @property
     def nbytes(self) -> int:

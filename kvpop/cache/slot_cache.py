@@ -15,23 +15,22 @@ Order of events when T new tokens arrive (`append`):
   3. otherwise every head keeps the `limit` highest-priority of its C old + T new candidates, and the
      kept new tokens overwrite the slots of the dropped old ones.
 
-The cache never calls its storage owner: while it lives in a batch pool that mirrors to the device,
-it records which (layer, head, slot) entries it wrote (`take_writes`) and the pool collects them.
+The cache asks its storage owner (the batch pool, `SlotStorage`) one thing only: room to grow in place.
+While it lives in a pool that mirrors to the device, it records which (layer, head, slot) entries it
+wrote (`take_writes`) and the pool collects them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from kvpop.kvtypes import CacheUpdate, Candidates, StatisticsUpdate
 from kvpop.model_spec import ModelSpec
 
 if TYPE_CHECKING:
-    from kvpop.cache.pool import BatchSlotPool
-    from kvpop.policies.base import EvictionPolicy, StatisticsUpdate
-    from kvpop.policies.text_spans import TextSpans
+    from kvpop.policies.base import EvictionPolicy
 
 GROWTH_BLOCK = 64  # slots added at a time while a cache fills up to its budget (or grows, unbounded)
 
@@ -41,34 +40,11 @@ def round_up_slots(slots: int) -> int:
     return -(-slots // GROWTH_BLOCK) * GROWTH_BLOCK
 
 
-@dataclass
-class CacheUpdate:
-    """T new tokens arriving in one sequence's cache, as the decoder step produced them."""
+class SlotStorage(Protocol):
+    """Arrays a cache's keys and values may live in besides its own (kvpop.cache.pool.BatchSlotPool)."""
 
-    positions: np.ndarray  # (T,) int64 original positions of the new tokens
-    key: np.ndarray  # (L, Hkv, T, D), RoPE applied
-    value: np.ndarray  # (L, Hkv, T, D)
-    # None when the step returned no attention (policies with needs_attention False never read it)
-    attention: np.ndarray | None  # (L, Hkv, G, T, C): new queries on the cache's C slots (grouped by KV head)
-    chunk_attention: np.ndarray | None  # (L, Hkv, G, T, T): new queries on the new tokens (causal)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.positions)
-
-
-@dataclass
-class Candidates:
-    """The C old slots followed by the T new tokens of one append, with what a policy scores them by."""
-
-    positions: np.ndarray  # (L, Hkv, C + T) int64, -1 where an old slot is empty
-    statistics: dict[str, np.ndarray]  # name -> (L, Hkv, C + T) float32
-    tokens_seen: int  # after the append
-    capacity: int  # C
-
-    @property
-    def valid(self) -> np.ndarray:  # (L, Hkv, C + T) bool
-        return self.positions >= 0
+    def grown_views(self, cache: "SlotCache", capacity: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """(key, value) views of `capacity` slots of the cache's row, if there is that room; else None."""
 
 
 class SlotCache:
@@ -90,7 +66,7 @@ class SlotCache:
         self.length = 0  # valid slots per head (the prefix [0, length))
         self.tokens_seen = 0
         self.peak_bytes = 0
-        self.storage_owner: "BatchSlotPool | None" = None  # the batch pool whose arrays `key`/`value` view
+        self.storage_owner: "SlotStorage | None" = None  # the batch pool whose arrays `key`/`value` view
         self._writes: list | None = None  # index expressions written since `take_writes`; None: not tracked
         self.key = self._zeros_kv(0)  # (L, Hkv, C, D)
         self.value = self._zeros_kv(0)  # (L, Hkv, C, D)
@@ -98,9 +74,9 @@ class SlotCache:
         self.statistics = {name: np.zeros(self._head_shape(0), np.float32) for name in policy.statistics}
         self.reserve(initial_capacity)
         self.policy_state: Any = policy.init_state()  # the policy's (or its scorer's) per-sequence state
-        # The request's prompt cut into lines, set by the engine for a scorer that ranks by line (not saved
-        # with a session: a later turn sets its own; tokens scored before that keep their priority).
-        self.text_spans: "TextSpans | None" = None
+        # What the policy made of the request's prompt (EvictionPolicy.prompt_state, set at allocation; not
+        # saved with a session: a later turn sets its own; tokens scored before that keep their priority).
+        self.prompt_state: Any = None
 
     # -- geometry and memory --------------------------------------------------------------------
 
@@ -154,7 +130,7 @@ class SlotCache:
         grown[:, :, : self.length] = array[:, :, : self.length]
         return grown
 
-    def rebind(self, key: np.ndarray, value: np.ndarray, owner: "BatchSlotPool", track_writes: bool = False) -> None:
+    def rebind(self, key: np.ndarray, value: np.ndarray, owner: SlotStorage, track_writes: bool = False) -> None:
         """Move the keys and values into `owner`'s storage (views of shape (L, Hkv, C, D));
         `track_writes`: record what is written from now on (the owner mirrors it to a device)."""
         if key.shape != self.key.shape or value.shape != self.value.shape:

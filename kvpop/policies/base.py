@@ -15,25 +15,14 @@ decided, and the slot cache applies it. The contract, per sequence:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Hashable
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from kvpop.cache.staged_chunk import StagedChunk
-    from kvpop.cache.slot_cache import Candidates, CacheUpdate, SlotCache
+from kvpop.kvtypes import CacheUpdate, CacheView, Candidates, StagedChunk, StatisticsUpdate
 
 PROTECTED = np.float32(np.inf)  # priority of a token a policy promises never to evict
-
-
-@dataclass
-class StatisticsUpdate:
-    """What a policy concluded from one append; the slot cache applies it (the cache takes over the
-    arrays: a policy returns fresh ones, never views of the cache's own statistics)."""
-
-    new: dict[str, np.ndarray] = field(default_factory=dict)  # name -> (L, Hkv, T): every statistic, for the new tokens
-    cached: dict[str, np.ndarray] = field(default_factory=dict)  # name -> (L, Hkv, C): new values of the cached slots; absent: unchanged
 
 
 @dataclass
@@ -50,23 +39,63 @@ class EvictionPolicy(ABC):
     uses_window: ClassVar[bool] = False
     evicts: ClassVar[bool] = True  # False only for the full cache
     needs_attention: ClassVar[bool] = False  # reads CacheUpdate.attention (the step must return it)
-    span_pooling: ClassVar[str] = ""  # ranks prompt tokens by line (text_spans.py): the engine sets SlotCache.text_spans
+
+    @classmethod
+    def from_options(cls, learned_scorers: dict | None, **options: Any) -> "EvictionPolicy":
+        """The policy for a request's options: those it has as fields (the rest belong to other policies).
+        `learned_scorers`: the engine's loaded scorer networks by kind, for a policy that runs one."""
+        accepted = {field.name for field in fields(cls) if field.init}
+        return cls(**{key: value for key, value in options.items() if key in accepted})
 
     def init_state(self) -> Any:
         """A new sequence's policy state, which its cache keeps (default: none)."""
         return None
 
-    def observe(self, cache: "SlotCache", update: "CacheUpdate") -> StatisticsUpdate:
+    def prompt_state(self, prompt_ids: list[int], tokenizer: Any, vocab_size: int) -> Any:
+        """What this policy keeps of a new request's prompt (`cache.prompt_state`; default nothing).
+        `tokenizer` may be None (an engine without one)."""
+        return None
+
+    def decode_group(self, cache: CacheView) -> Hashable | None:
+        """A key under which this cache's next one-token append may run vectorised with the other caches
+        of that key (`append_decode_group`); None (the default): appended one by one."""
+        return None
+
+    def append_decode_group(self, caches: list, rows: np.ndarray, pool: Any, new_key: np.ndarray, new_value: np.ndarray,
+                            last: Any) -> Any:
+        """Append a decode step's new tokens (L, B, Hkv, 1, D) of `rows` of the batch pool to `caches`, which
+        share a `decode_group` key, at once; returns what the next step of the same group may reuse (`last`)."""
+        raise NotImplementedError(f"policy {self.name!r} has no vectorised decode append")
+
+    def encode_state(self, state: Any) -> tuple[dict, dict[str, np.ndarray]]:
+        """(JSON description, arrays named `policy.*`) of a sequence's policy state, for a session
+        checkpoint (copies; never pickled). Default: a policy without state."""
+        if state is None:
+            return {"kind": "none"}, {}
+        raise TypeError(f"cannot save a policy state of type {type(state).__name__}")
+
+    def decode_state(self, description: dict, arrays: dict[str, np.ndarray]) -> Any:
+        """The live policy state of an `encode_state` description (a restored sequence owns its copies)."""
+        kind = description.get("kind")
+        if kind == "none":
+            return None
+        raise ValueError(f"unknown policy state kind {kind!r}")
+
+    @classmethod
+    def prepare(cls, learned_scorers: dict, tokenizer: Any, vocab_size: int) -> None:
+        """Build, once per model, what `prompt_state` will need, before the first request (default nothing)."""
+
+    def observe(self, cache: CacheView, update: CacheUpdate) -> StatisticsUpdate:
         """The statistics after the new tokens: theirs (L, Hkv, T) and the cached slots' that changed."""
         return StatisticsUpdate()
 
-    def stage(self, cache: "SlotCache", staged: "StagedChunk", rows: slice, chunk_length: int) -> None:
+    def stage(self, cache: CacheView, staged: StagedChunk, rows: slice, chunk_length: int) -> None:
         """Rows `rows` of a prompt chunk of `chunk_length` tokens were computed, held in `staged`, which
         enters `cache` whole (`observe` then sees the whole chunk) once complete. A policy may take the
         rows into its state now, so that the completing step does less; by default nothing happens."""
 
     @abstractmethod
-    def score(self, cache: "SlotCache", candidates: "Candidates") -> np.ndarray:
+    def score(self, cache: CacheView, candidates: Candidates) -> np.ndarray:
         """(L, Hkv, C + T) priority to keep each candidate; the lowest are evicted."""
 
     # -- shared mechanics -----------------------------------------------------------------------
@@ -77,7 +106,7 @@ class EvictionPolicy(ABC):
         window = min(getattr(self, "window", 0), budget - sinks) if self.uses_window else 0
         return sinks, window
 
-    def keep_priority(self, cache: "SlotCache", candidates: "Candidates") -> np.ndarray:
+    def keep_priority(self, cache: CacheView, candidates: Candidates) -> np.ndarray:
         """`score`, with protected sinks and window raised above every other candidate."""
         priority = np.asarray(self.score(cache, candidates), dtype=np.float32)
         sinks, window = self.protected_counts(candidates.capacity)
@@ -95,7 +124,7 @@ def group_attention(attention: np.ndarray, reduce: str = "sum") -> np.ndarray:
     return received.mean(axis=2) if reduce == "mean" else received.sum(axis=2)
 
 
-def accumulate_attention(cache: "SlotCache", update: "CacheUpdate", statistic: str) -> StatisticsUpdate:
+def accumulate_attention(cache: CacheView, update: CacheUpdate, statistic: str) -> StatisticsUpdate:
     """`statistic` plus what the new queries put on each cached slot; the new tokens' own totals
     (what later tokens of the same chunk put on them). Shared by h2o and kvpop."""
     return StatisticsUpdate(

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpop.policies.base import EvictionPolicy, StatisticsUpdate, accumulate_attention
+from kvpop.kvtypes import StatisticsUpdate
+from kvpop.policies.base import EvictionPolicy, accumulate_attention
 
 
 @dataclass

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpop.policies.base import EvictionPolicy, StatisticsUpdate, group_attention
+from kvpop.kvtypes import StatisticsUpdate
+from kvpop.policies.base import EvictionPolicy, group_attention
 
 
 @dataclass

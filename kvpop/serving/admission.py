@@ -24,9 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from kvpop.cache.manager import slots_needed
-from kvpop.cache.slot_cache import GROWTH_BLOCK, round_up_slots
-from kvpop.engine import GenerationRequest
+from kvpop.cache.manager import GROWTH_BLOCK, padded_bytes, round_up_slots, slots_needed
+from kvpop.request import GenerationRequest
 from kvpop.model_spec import ModelSpec
 
 
@@ -67,7 +66,7 @@ class KVPoolAdmission:
         return self._pool_bytes(list(self._running.values())) + sum(self._prefilling.values()) * self.bytes_per_slot
 
     def _pool_bytes(self, slots: list[int]) -> int:
-        return len(slots) * max(slots, default=0) * self.bytes_per_slot
+        return padded_bytes(slots, self.bytes_per_slot)
 
     @staticmethod
     def slots_needed(request: GenerationRequest) -> int:

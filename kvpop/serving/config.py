@@ -70,7 +70,7 @@ class ServiceConfig:
                 f"({self.max_output_tokens})"
             )
         from kvpop.policies import POLICIES, SCORERS
-        from kvpop.scorer import LEARNED_SCORER_KINDS
+        from kvpop.policies.kvpop.kinds import LEARNED_SCORER_KINDS
 
         scorers = ["auto", *LEARNED_SCORER_KINDS, *SCORERS]
         if self.kvpop_scorer not in scorers:

@@ -9,12 +9,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from kvpop.request import FinishReason, Tier
+
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 TOKEN_LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]
 BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64]
 COMPRESSION_BUCKETS = [0.0, 0.25, 0.5, 0.75, 0.875, 0.9375, 0.97, 0.99]
-FINISH_REASONS = ("stop", "length", "cancelled")
-SESSION_TIERS = ("hot", "warm", "cold")
+FINISH_REASONS = tuple(FinishReason)
+SESSION_TIERS = tuple(Tier)
 RESTORE_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 STEP_GAUGE_INTERVAL = 0.1  # seconds between sets of the per-step gauges while requests run (each is an IPC round trip)
 SESSION_STATS_INTERVAL = 1.0  # seconds between reads of the store's tiers (the cold one is a directory scan)

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvpop.engine import CacheConfig, GenerationRequest, SamplingParams
+from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
 from kvpop.serving.config import ServiceConfig
 
 

@@ -15,9 +15,9 @@ import numpy as np
 
 from kvpop.cache.prefix_cache import PrefixCache
 from kvpop.decoder import DecoderStep
-from kvpop.engine import Engine, load_learned_scorers
+from kvpop.engine import Engine, EngineConfig, load_learned_scorers
 from kvpop.policies import POLICIES
-from kvpop.scorer import LEARNED_SCORER_KINDS, learned_scorer
+from kvpop.policies.kvpop import default_scorer
 from kvpop.serving.admission import AdmissionPolicy, KVPoolAdmission
 from kvpop.serving.config import ServiceConfig
 from kvpop.serving.drain import DrainSignal
@@ -55,14 +55,10 @@ class KVpopService:
         self.decoder = DecoderStep(model_dir, placement.device, placement.device_id, threads=config.ort_threads or None)
         self.tokenizer = AutoTokenizer.from_pretrained(Path(model_dir) / TOKENIZER_DIRNAME)
         self.learned_scorers = load_learned_scorers(model_dir)
-        self.kvpop_scorer = config.kvpop_scorer
-        if self.kvpop_scorer == "auto":
-            self.kvpop_scorer = "mlstm" if "mlstm" in self.learned_scorers else "accumulated_attention"
-        elif self.kvpop_scorer in LEARNED_SCORER_KINDS:
-            try:
-                learned_scorer(self.kvpop_scorer, self.learned_scorers)
-            except ValueError as error:
-                raise ValueError(f"parameter kvpop_scorer: {error}") from None
+        try:
+            self.kvpop_scorer = default_scorer(config.kvpop_scorer, self.learned_scorers)
+        except ValueError as error:
+            raise ValueError(f"parameter kvpop_scorer: {error}") from None
         admission = KVPoolAdmission(
             AdmissionPolicy(config.kv_pool_mb * 2**20, config.min_kv_budget, config.max_queue_size), self.decoder.spec
         )
@@ -74,19 +70,16 @@ class KVpopService:
         self._ids = itertools.count()
 
     def _new_engine(self) -> Engine:
-        return Engine(
-            self.decoder,
-            tokenizer=self.tokenizer,
+        config = EngineConfig(
             max_batch_size=self.config.max_running_sequences,
             prefill_chunk=self.config.prefill_chunk_tokens,
             min_bounded_chunk=self.config.min_prefill_chunk_tokens,
             whole_prompt_tokens=self.config.whole_prompt_tokens,
             max_step_tokens=self.config.max_step_tokens or None,
             prefill_pacing=self.config.prefill_pacing or None,
-            learned_scorers=self.learned_scorers,
-            sessions=self.sessions,
-            prefixes=self.prefixes,
         )
+        return Engine(self.decoder, config, tokenizer=self.tokenizer, learned_scorers=self.learned_scorers,
+                      sessions=self.sessions, prefixes=self.prefixes)
 
     def _warm_prefixes(self) -> None:
         """Prefill the configured warm prefixes (before the worker starts: the engine is not shared)."""

@@ -16,7 +16,8 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from kvpop.engine import NO_TOKEN, Engine, GenerationResult, TokenEvent
+from kvpop.engine import Engine
+from kvpop.request import NO_TOKEN, GenerationResult, TokenEvent
 from kvpop.serving.admission import Admission, KVPoolAdmission, OverloadedError
 from kvpop.serving.detokenizer import IncrementalDetokenizer
 from kvpop.serving.drain import DrainSignal
@@ -195,10 +196,9 @@ class EngineWorker:
                 if event.request_id in self._active:
                     self.engine.cancel(event.request_id)
                     self._finish_with_error(event.request_id, f"internal error: {error}", "internal")
-        cache_manager = self.engine.cache_manager
-        in_use = self.engine.kv_bytes_in_use + cache_manager.hot_session_bytes  # the hot session tier lives in the KV pool
-        if cache_manager.sessions is not None:
-            self.metrics.observe_sessions(cache_manager.sessions)
+        in_use = self.engine.kv_bytes_in_use + self.engine.hot_session_bytes  # the hot session tier lives in the KV pool
+        if self.engine.sessions is not None:
+            self.metrics.observe_sessions(self.engine.sessions)
         with self._condition:
             self.admission.observe_engine(in_use)
             reserved, queued = self.admission.reserved_bytes, len(self._queue)

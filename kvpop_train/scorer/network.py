@@ -32,8 +32,8 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from kvpop.policies.text_spans import check_span_pooling
-from kvpop.scorer import LEARNED_SCORER_KINDS
+from kvpop.policies.kvpop.text_spans import check_span_pooling
+from kvpop.policies.kvpop.kinds import LEARNED_SCORER_KINDS
 
 KINDS = LEARNED_SCORER_KINDS
 STATE_NAMES = ("memory", "normaliser", "stabiliser")  # the mLSTM state, in this order everywhere
@@ -55,7 +55,7 @@ class ScorerConfig:
     # Trained on one model-wide target (train --target-scope model): every head's network estimates the same
     # importance, so serving averages a token's L * Hkv scores and every cache keeps the same tokens.
     shared_ranking: bool = False
-    # "line": serving ranks a prompt token by the mean score of its line (kvpop.policies.text_spans);
+    # "line": serving ranks a prompt token by the mean score of its line (kvpop.policies.kvpop.text_spans);
     # "line_contrast": by that mean minus the mean score of the text around the line. Chosen on the
     # validation split (docs/QUALITY.md); only with the shared ranking.
     span_pooling: str = ""

@@ -3,7 +3,7 @@
 `python -m kvpop_train.scorer.onnx_export --scorers MODEL/scorer --out model_repository/kvpop_engine/1`
 writes `scorer_<kind>.onnx` and `scorer_<kind>.json` (config, tensor names, state shapes, parity) for
 every `scorer_<kind>.pt` found, and for a stateful kind `scorer_<kind>.decode.onnx`, the one-token decode
-step of many sequences in one call. The runtime (kvpop.scorer.runtime) needs only those files.
+step of many sequences in one call. The runtime (kvpop.policies.kvpop.runtime) needs only those files.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ import torch
 from torch.nn import functional
 from tqdm import tqdm
 
-from kvpop.policies.text_spans import SPAN_POOLINGS
+from kvpop.policies.kvpop.text_spans import SPAN_POOLINGS
 from kvpop_train.scorer.network import KINDS, Scorer, ScorerConfig, save_scorer
 from kvpop_train.scorer.targets import TARGET_SCOPES, shape_target, value_weighted
 from kvpop_train.scorer.traces import Trace, collect_traces, load_traces, read_texts, save_traces, task_texts

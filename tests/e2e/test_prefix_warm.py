@@ -46,7 +46,8 @@ def tail(seed: int) -> list[int]:
 def test_a_warm_prefix_is_reused_and_gives_the_cold_tokens(warm_server, tiny_onnx_model_dir):
     from transformers import AutoTokenizer
 
-    from kvpop.engine import Engine, GenerationRequest, SamplingParams
+    from kvpop.engine import Engine, EngineConfig
+    from kvpop.request import GenerationRequest, SamplingParams
     from kvpop.serving.chat import render_chat
 
     client, metric = warm_server
@@ -57,7 +58,7 @@ def test_a_warm_prefix_is_reused_and_gives_the_cold_tokens(warm_server, tiny_onn
     prompts = [prefix + tail(i) for i in range(2)]
     results = [client.generate(prompt, max_tokens=REPLY, ignore_eos=True) for prompt in prompts]
 
-    cold = Engine.from_model_dir(tiny_onnx_model_dir, prefill_chunk=256)  # the server's prefill_chunk_tokens
+    cold = Engine.from_model_dir(tiny_onnx_model_dir, EngineConfig(prefill_chunk=256))  # the server's prefill_chunk_tokens
     sampling = SamplingParams(max_tokens=REPLY, ignore_eos=True)
     expected = cold.generate([GenerationRequest(f"c{i}", prompt, sampling) for i, prompt in enumerate(prompts)])
     assert [r.output_ids for r in results] == [r.output_ids for r in expected]

@@ -1,0 +1,12 @@
+"""The generation loop: `Engine` (queue, step, finish) over a `Scheduler` (what runs each step) and a
+`ModelRunner` (the decoder calls), configured by one `EngineConfig`.
+
+Build one from an exported model directory with `Engine.from_model_dir(model_dir, EngineConfig(...))`.
+"""
+
+from kvpop.engine.config import EngineConfig
+from kvpop.engine.engine import Engine
+from kvpop.engine.sequence import EngineState, Phase, SequenceState
+from kvpop.policies import load_learned_scorers
+
+__all__ = ["Engine", "EngineConfig", "EngineState", "Phase", "SequenceState", "load_learned_scorers"]

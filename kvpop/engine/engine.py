@@ -1,0 +1,336 @@
+"""The generation loop: a queue of requests, in-flight batching of sequences, each with its own
+fixed-budget slot cache.
+
+Every `step` (one driving thread): apply cancellations, admit waiting requests up to
+`max_batch_size`, then run the step the scheduler sizes (kvpop.engine.scheduler: one batched decode
+step of every sequence whose prompt is in, and prompt pieces of the admitted ones under the step's
+token budget), sample, and finish sequences that stop. Everything about where keys and values live
+(slot caches, the batch pool and its device mirror, sessions kept between turns, warm prefixes) is the
+cache manager's (`kvpop.cache.manager`); the engine asks it. `add_request` and `cancel` may be called
+from other threads: they only touch the queue under the engine's lock; everything else belongs to the
+thread calling `step`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Protocol
+
+from kvpop.cache.manager import CacheManager
+from kvpop.cache.prefix_cache import PrefixCache
+from kvpop.decoder import DecoderStep
+from kvpop.engine.config import EngineConfig
+from kvpop.engine.runner import ModelRunner
+from kvpop.engine.scheduler import Scheduler, reads_attention
+from kvpop.engine.sequence import EngineState, Phase, Sequence, SequenceState
+from kvpop.policies import TokenScorer, load_learned_scorers
+from kvpop.request import NO_TOKEN, CacheConfig, FinishReason, GenerationRequest, GenerationResult, TokenEvent
+from kvpop.sampling import Sampler, SamplingParams
+from kvpop.sessions import SessionStore, validate_session_id
+
+
+class Tokenizer(Protocol):
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class Engine:
+    def __init__(
+        self,
+        decoder: DecoderStep,
+        config: EngineConfig | None = None,
+        *,
+        tokenizer: Tokenizer | None = None,
+        learned_scorers: dict[str, TokenScorer] | None = None,
+        sessions: SessionStore | None = None,
+        prefixes: PrefixCache | None = None,
+    ) -> None:
+        """`config`: how it batches and schedules. `learned_scorers`: the model's kvpop scorers by kind,
+        shared by its sequences; `tokenizer`: for stop strings (and policies that read the prompt's text).
+        `sessions` and `prefixes` outlive an engine (a service restarts its engine after a failure)."""
+        self.config = config or EngineConfig()
+        self.decoder = decoder
+        self.spec = decoder.spec
+        self.tokenizer = tokenizer
+        self.learned_scorers = learned_scorers or {}
+        self.cache_manager = CacheManager(self.spec, decoder.device_store, sessions, self.learned_scorers, prefixes, tokenizer)
+        self.scheduler = Scheduler(self.config, decoder.has_mixed_step)
+        self.runner = ModelRunner(decoder, self.cache_manager)
+        self._lock = threading.Lock()  # guards _waiting, _cancelled, _finished, _request_ids
+        self._waiting: deque[GenerationRequest] = deque()
+        self._cancelled: set[str] = set()
+        self._finished: dict[str, GenerationResult] = {}
+        self._request_ids: set[str] = set()  # every id not yet released by `result`
+        self._running: dict[str, Sequence] = {}  # step thread only: prompt in, decoding
+        self._prefilling: dict[str, Sequence] = {}  # step thread only: admitted, prompt partly fed (FIFO)
+
+    @classmethod
+    def from_model_dir(cls, model_dir: Path, config: EngineConfig | None = None, device: str = "cpu", **services) -> "Engine":
+        """An engine over an exported model directory, with its tokenizer and its learned scorers."""
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(Path(model_dir) / "tokenizer")
+        services.setdefault("learned_scorers", load_learned_scorers(model_dir))
+        return cls(DecoderStep(model_dir, device=device), config, tokenizer=tokenizer, **services)
+
+    # -- public API (add_request / cancel / result / state are safe from other threads) -----------
+
+    def add_request(self, request: GenerationRequest) -> None:
+        """Queue a request; it joins the running batch at the next step. Raises ValueError if invalid."""
+        self._check(request)
+        with self._lock:
+            if request.request_id in self._request_ids:
+                raise ValueError(f"request id {request.request_id!r} is already in use")
+            self._request_ids.add(request.request_id)
+            self._waiting.append(request)
+
+    def _check(self, request: GenerationRequest) -> None:
+        """ValueError unless this engine can run `request` (tokens, length, scorer, stops, session)."""
+        bad = [token for token in request.prompt_ids if not 0 <= token < self.spec.vocab_size]
+        if bad:
+            raise ValueError(f"request {request.request_id!r}: token ids out of vocabulary [0, {self.spec.vocab_size}): {bad[:5]}")
+        if len(request.prompt_ids) >= self.spec.max_position_embeddings:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt of {len(request.prompt_ids)} tokens does not fit "
+                f"the model's {self.spec.max_position_embeddings} positions"
+            )
+        try:
+            self.cache_manager.check(request.cache)
+        except ValueError as error:
+            raise ValueError(f"request {request.request_id!r}: {error}") from None
+        if request.sampling.stop and self.tokenizer is None:
+            raise ValueError(f"request {request.request_id!r}: stop strings need an engine with a tokenizer")
+        if request.session_id is not None:
+            if self.cache_manager.sessions is None:
+                raise ValueError(f"request {request.request_id!r}: this engine keeps no sessions")
+            validate_session_id(request.session_id)
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request at the next step and free its slots (unknown or finished ids are ignored)."""
+        with self._lock:
+            self._cancelled.add(request_id)
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._waiting or self._running or self._prefilling)
+
+    def result(self, request_id: str) -> GenerationResult:
+        """The finished request's result; releases it (and its id)."""
+        with self._lock:
+            if request_id not in self._finished:
+                state = "unknown" if request_id not in self._request_ids else "not finished"
+                raise KeyError(f"request {request_id!r} is {state}")
+            self._request_ids.discard(request_id)
+            return self._finished.pop(request_id)
+
+    def state(self) -> EngineState:
+        """Request ids by phase (waiting, prefilling, decoding)."""
+        with self._lock:
+            return EngineState(tuple(r.request_id for r in self._waiting), tuple(self._prefilling), tuple(self._running))
+
+    def sequence(self, request_id: str) -> SequenceState | None:
+        """An admitted request's progress and cache (read only); None unless it is prefilling or decoding."""
+        if request_id in self._running:
+            return self._running[request_id].view(Phase.DECODING)
+        if request_id in self._prefilling:
+            return self._prefilling[request_id].view(Phase.PREFILLING)
+        return None
+
+    @property
+    def num_running(self) -> int:
+        """Admitted sequences: decoding, or with their prompt being fed."""
+        return len(self._running) + len(self._prefilling)
+
+    @property
+    def kv_bytes_in_use(self) -> int:
+        """Key/value bytes of the running sequences: the batch pool, caches being prefilled, and the
+        chunks they are prefilling (a whole prompt while it is computed in pieces)."""
+        return self.cache_manager.kv_bytes_in_use
+
+    def prefill_slots(self, request: GenerationRequest) -> int:
+        """Slots per head a request's prefill holds beyond its cache until its first token: its whole
+        prompt when its bounded cache prefills it whole (`whole_prompt_tokens`), else 0 (a staged chunk
+        of at most `prefill_chunk` tokens is the pool's headroom). Admission reserves it meanwhile."""
+        prompt = len(request.prompt_ids)
+        budget = request.cache.resolve_budget(prompt, request.sampling.max_tokens)
+        return prompt if self.scheduler.prefills_whole(self.cache_manager.policy_for(request.cache), budget, prompt) else 0
+
+    @property
+    def hot_session_bytes(self) -> int:
+        """Bytes of sessions kept in instance memory (they count against the KV pool)."""
+        return self.cache_manager.hot_session_bytes
+
+    @property
+    def sessions(self) -> SessionStore | None:
+        """The cache manager's session store (finished turns with a session_id are kept there)."""
+        return self.cache_manager.sessions
+
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        """Run `requests` to completion (in-flight batched) and return their results in order."""
+        for request in requests:
+            self.add_request(request)
+        pending = {request.request_id for request in requests}
+        while pending:
+            for event in self.step():
+                if event.finished:
+                    pending.discard(event.request_id)
+        return [self.result(request.request_id) for request in requests]
+
+    def step(self) -> list[TokenEvent]:
+        """One batched decode step of the running sequences, then prompt chunks of admitted ones."""
+        with self._lock:
+            cancelled, self._cancelled = self._cancelled, set()
+            events = [self._finish_waiting(request) for request in self._waiting if request.request_id in cancelled]
+            self._waiting = deque(request for request in self._waiting if request.request_id not in cancelled)
+            room = self.config.max_batch_size - self.num_running
+            admitted = [self._waiting.popleft() for _ in range(min(len(self._waiting), room))]
+        for request_id in cancelled & (self._running.keys() | self._prefilling.keys()):
+            sequence = self._running.get(request_id) or self._prefilling[request_id]
+            events.append(self._finish(sequence, FinishReason.CANCELLED, NO_TOKEN))
+        for request in admitted:
+            sequence = self._new_sequence(request)
+            if sequence.prompt_left:
+                self._prefilling[request.request_id] = sequence
+            else:  # its cache already holds the whole prompt
+                self._running[request.request_id] = sequence
+                events.append(self._accept(sequence, sequence.pending_token))
+        events.extend(self._decode_and_prefill(list(self._running.values())))
+        if not self._running:
+            self.cache_manager.release_batch()
+        return events
+
+    def prefill(self, request: GenerationRequest) -> SequenceState:
+        """A request's whole prompt fed alone, chunk by chunk, outside the queue, and its first token
+        sampled (its cache stays allocated until `free`): the state a prefill leaves, to compare or keep."""
+        self._check(request)
+        sequence = self._new_sequence(request)
+        out = self.runner.whole_prompt(sequence)
+        sequence.pending_token = sequence.sampler(out.logits[0, -1])
+        return sequence.view(Phase.DECODING)
+
+    def free(self, request_id: str) -> None:
+        """Release what `prefill` allocated."""
+        self.cache_manager.free(request_id)
+
+    def warm_prefix(self, prompt_ids: list[int], cache: CacheConfig) -> int:
+        """Prefill a common prompt beginning alone and keep its cache state, so that requests of this
+        cache configuration whose prompt starts with it begin from a copy (`kvpop.cache.prefix_cache`
+        says what that equals). A bounded policy keeps the longest part that fills whole prefill
+        chunks, where a cold prefill stands at a chunk boundary too. Returns the tokens kept (0: not
+        one whole chunk). Call it before `step` runs (it uses the step thread's cache manager)."""
+        if cache.compression is not None:
+            raise ValueError("a warm prefix needs a fixed budget: a compression ratio's budget depends on each request")
+        budget = cache.resolve_budget(len(prompt_ids), 0)
+        if self.scheduler.prefills_whole(self.cache_manager.policy_for(cache), budget, len(prompt_ids)):
+            return 0  # a cold prefill would take prefix and rest as one chunk: no state to start it from
+        chunk = self.scheduler.evicting_chunk(budget)
+        keep = len(prompt_ids) if budget is None else len(prompt_ids) // chunk * chunk
+        if keep == 0:
+            return 0
+        request = GenerationRequest(f"warm-prefix:{len(self.cache_manager.prefixes)}", prompt_ids[:keep], SamplingParams(max_tokens=1), cache)
+        state = self.prefill(request)
+        self.cache_manager.save_prefix(state.cache, request.prompt_ids, cache)
+        self.free(request.request_id)
+        return keep
+
+    def close_session(self, session_id: str) -> bool:
+        """Forget a session's saved state (memory and disk); whether there was one."""
+        return self.cache_manager.close_session(session_id)
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _new_sequence(self, request: GenerationRequest) -> Sequence:
+        """An admitted request's sequence with the cache the manager gives it (empty, a session's
+        saved state or a warm prefix's); the rest of its prompt is fed by `_decode_and_prefill`."""
+        allocation = self.cache_manager.allocate(request)
+        cache = allocation.cache
+        return Sequence(
+            request=request, allocation=allocation, sampler=Sampler(request.sampling),
+            chunk_size=self.scheduler.chunk_size(cache.policy, cache.budget, len(request.prompt_ids) - allocation.tokens_reused),
+            prefilled=allocation.tokens_reused,
+        )
+
+    def _decode_and_prefill(self, decoding: list[Sequence]) -> list[TokenEvent]:
+        """This step's model work: one decode step of the running sequences, and admitted prompts fed
+        under the step's token budget, in rounds (`Scheduler.next_round`). The budget stands even if
+        every decoded stream just finished: their last tokens leave with this step's events, so they
+        wait too. The first call of equal-length pieces takes the decode step along when the scheduler
+        `mixes`. A prompt whose last chunk went in samples its first token."""
+        budget = self.scheduler.step_budget(bool(decoding))
+        mixed = self.scheduler.mixes(decoding)
+        events = self._decode(decoding) if decoding and not mixed else []
+        decode_events: list[TokenEvent] = []
+        used, started = 0, time.perf_counter()
+        while self._prefilling and used < budget:
+            pieces, used = self.scheduler.next_round(self._prefilling.values(), budget, used)
+            if not pieces:
+                break
+            for length, sequences in pieces.items():
+                if mixed and not reads_attention(sequences):
+                    decode_out, out = self.runner.mixed(decoding, sequences, length)
+                    decode_events = self._sample(decoding, decode_out)
+                    mixed = False
+                else:
+                    out = self.runner.prompt_piece(sequences, length)
+                for row, sequence in enumerate(sequences):
+                    if sequence.prompt_left == 0:
+                        sequence.pending_token = sequence.sampler(out.logits[row, -1])
+                        del self._prefilling[sequence.request_id]
+                        self._running[sequence.request_id] = sequence
+                        events.append(self._accept(sequence, sequence.pending_token))
+        if decoding:
+            self.scheduler.observe_prompt_work(time.perf_counter() - started, used, shared_decode=bool(decode_events))
+        if mixed:  # no prompt piece to share the call with
+            decode_events = self._decode(decoding)
+        return decode_events + events
+
+    def _decode(self, sequences: list[Sequence]) -> list[TokenEvent]:
+        """One decode step of `sequences` in its own decoder call, sampled."""
+        started = time.perf_counter()
+        events = self._sample(sequences, self.runner.decode(sequences))
+        self.scheduler.observe_decode(time.perf_counter() - started)
+        return events
+
+    def _sample(self, sequences: list[Sequence], out) -> list[TokenEvent]:
+        return [self._accept(sequence, sequence.sampler(out.logits[row, -1])) for row, sequence in enumerate(sequences)]
+
+    def _accept(self, sequence: Sequence, token: int) -> TokenEvent:
+        """Record a sampled token and decide whether the sequence ends with it."""
+        sequence.output_ids.append(token)
+        sequence.pending_token = token
+        sampling = sequence.request.sampling
+        if token in self.spec.eos_token_ids and not sampling.ignore_eos:
+            return self._finish(sequence, FinishReason.STOP, token)
+        if sampling.stop:
+            sequence.matched_stop = self._matched_stop(sequence.output_ids, sampling.stop)
+            if sequence.matched_stop is not None:
+                return self._finish(sequence, FinishReason.STOP, token)
+        if len(sequence.output_ids) >= sampling.max_tokens or sequence.cache.tokens_seen + 1 >= self.spec.max_position_embeddings:
+            return self._finish(sequence, FinishReason.LENGTH, token)
+        return TokenEvent(sequence.request_id, token, finished=False, finish_reason=None)
+
+    def _matched_stop(self, output_ids: list[int], stops: tuple[str, ...]) -> str | None:
+        # A stop string is completed by the newest token; decoding a short tail is enough to see it
+        # (every token decodes to at least one byte; a character is at most 4 bytes).
+        tail = output_ids[-(4 * max(len(stop) for stop in stops) + 4) :]
+        text = self.tokenizer.decode(tail, skip_special_tokens=True)
+        return next((stop for stop in stops if stop in text), None)
+
+    def _finish(self, sequence: Sequence, reason: FinishReason, token: int) -> TokenEvent:
+        request = sequence.request
+        self._running.pop(request.request_id, None)
+        self._prefilling.pop(request.request_id, None)
+        result = self.cache_manager.finish(sequence.allocation, request, sequence.output_ids, reason, sequence.matched_stop)
+        with self._lock:
+            self._finished[request.request_id] = result
+        return TokenEvent(request.request_id, token, finished=True, finish_reason=reason)
+
+    def _finish_waiting(self, request: GenerationRequest) -> TokenEvent:
+        """A request cancelled before it started (called under the lock)."""
+        self._finished[request.request_id] = GenerationResult(
+            request.request_id, request.prompt_ids, [], FinishReason.CANCELLED, budget=0, peak_kv_bytes=0,
+            tokens_evicted=0, compression=0.0, policy=request.cache.policy,
+        )
+        return TokenEvent(request.request_id, NO_TOKEN, finished=True, finish_reason=FinishReason.CANCELLED)

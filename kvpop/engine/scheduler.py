@@ -1,0 +1,102 @@
+"""What runs in an engine step: the prompt-token budget, chunk sizes, whole-prompt prefill, pacing, and
+whether the decode step shares a call with prompt work.
+
+As vLLM's scheduler interleaves chunked prefill with decode: every step runs ONE decode step of the
+sequences whose prompt is in, and prompt work of the admitted ones under a token budget
+(`EngineConfig.max_step_tokens`, or paced to the measured decode step: kvpop.engine.prefill_pacer),
+so a long new prompt stalls the running streams for one step's share of its prefill, not for all of
+it. A prompt's chunk size is fixed by the request alone (`chunk_size`), so outputs never depend on what
+else is running; a chunk cut into pieces by the budget enters its cache once, whole
+(kvpop.kvtypes.StagedChunk). When no policy in the step reads attention, the decode step and the
+step's first prompt pieces run as one mixed call (the weights are read once for both).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable
+
+from kvpop.engine.config import EngineConfig
+from kvpop.engine.prefill_pacer import PrefillPacer
+
+if TYPE_CHECKING:
+    from kvpop.engine.sequence import Sequence
+    from kvpop.policies import EvictionPolicy
+
+MIN_PIECE_TOKENS = 16  # a step's budget left over after other prompt work starts no smaller piece
+
+
+def reads_attention(sequences: "Iterable[Sequence]") -> bool:
+    """Whether a decoder call for `sequences` must return attention (a policy among them reads it)."""
+    return any(sequence.cache.policy.needs_attention for sequence in sequences)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, has_mixed_step: bool) -> None:
+        self.config = config
+        self.has_mixed_step = has_mixed_step  # the export has the decode + prompt call (DecoderStep.run_mixed)
+        self.pacer = PrefillPacer(config.prefill_pacing) if config.prefill_pacing else None
+
+    # -- chunk sizing: fixed by the request alone ------------------------------------------------
+
+    def prefills_whole(self, policy: "EvictionPolicy", budget: int | None, prompt_left: int) -> bool:
+        """Whether this bounded cache takes its prompt in one chunk (`whole_prompt_tokens`)."""
+        return budget is not None and not policy.needs_attention and 0 < prompt_left <= self.config.whole_prompt_tokens
+
+    def evicting_chunk(self, budget: int | None) -> int:
+        """Prompt tokens per chunk of a cache that evicts while prefilling: at most max(budget,
+        `min_bounded_chunk`), so no query sees more than budget cached + that many new tokens (with the
+        default floor of 1: budget + budget). A service raises the floor: a 16-slot budget would otherwise
+        prefill a 100-token chat in seven calls; the cache it keeps is still `budget` slots."""
+        if budget is None:
+            return self.config.prefill_chunk
+        return min(self.config.prefill_chunk, max(budget, self.config.min_bounded_chunk))
+
+    def chunk_size(self, policy: "EvictionPolicy", budget: int | None, prompt_left: int) -> int:
+        if self.prefills_whole(policy, budget, prompt_left):
+            return prompt_left
+        return self.evicting_chunk(budget)
+
+    # -- one step's work -------------------------------------------------------------------------
+
+    def step_budget(self, decoding: bool) -> int:
+        """Prompt tokens this step may feed: `max_step_tokens` while streams decode (the longest a running
+        stream waits for prompt work between two of its tokens; paced, when configured), at least one
+        whole `prefill_chunk` when none does."""
+        ceiling = self.config.step_tokens
+        if not decoding:
+            return max(ceiling, self.config.prefill_chunk)
+        return ceiling if self.pacer is None else self.pacer.step_tokens(ceiling)
+
+    def mixes(self, decoding: "list[Sequence]") -> bool:
+        """Whether this step's decode may share a call with prompt work (no cache in it reads attention)."""
+        return bool(decoding) and self.has_mixed_step and not reads_attention(decoding)
+
+    @staticmethod
+    def next_round(prefilling: "Iterable[Sequence]", budget: int, used: int) -> "tuple[dict[int, list[Sequence]], int]":
+        """One round of prompt work, first come first served: the next piece of every prompt (the rest of
+        its current chunk, cut to what is left of the budget), grouped by length (one batched call each);
+        and the budget used after it. Empty: what is left is too small to start any piece."""
+        pieces: dict[int, list[Sequence]] = {}
+        for sequence in prefilling:
+            length = min(sequence.chunk_left, budget - used)
+            if length <= 0 or used and length < min(sequence.chunk_left, MIN_PIECE_TOKENS):
+                break  # no sliver of a chunk after other work: a call costs more than its tokens
+            pieces.setdefault(length, []).append(sequence)
+            used += length
+        return pieces, used
+
+    # -- pacing ----------------------------------------------------------------------------------
+
+    def observe_decode(self, seconds: float) -> None:
+        """A decode step alone took `seconds`: what the pacer sizes prompt work by."""
+        if self.pacer is not None:
+            self.pacer.observe_decode(seconds)
+
+    def observe_prompt_work(self, seconds: float, tokens: int, shared_decode: bool) -> None:
+        """A step's prompt work beside decodes took `seconds` for `tokens` (`shared_decode`: the decode ran
+        in the same call, and its usual share is taken off)."""
+        if self.pacer is None or not tokens:
+            return
+        if shared_decode and self.pacer.decode_seconds is not None:
+            seconds -= self.pacer.decode_seconds
+        self.pacer.observe_prefill(seconds, tokens)

@@ -1,0 +1,258 @@
+"""The serving layer without Triton: request parsing, KV-pool admission, streaming detokenization."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
+from kvpop.model_spec import ModelSpec
+from kvpop.serving.admission import AdmissionPolicy, KVPoolAdmission
+from kvpop.serving.config import ServiceConfig
+from kvpop.serving.detokenizer import IncrementalDetokenizer
+from kvpop.serving.request import InvalidRequestError, parse_parameters, parse_request
+
+SPEC = ModelSpec("LlamaForCausalLM", num_layers=2, num_attention_heads=4, num_kv_heads=2, head_dim=16,
+                 vocab_size=320, dtype="float32", max_position_embeddings=4096)  # 512 bytes per slot
+
+
+def request(policy="full", budget=None, prompt=40, max_tokens=2000, request_id="r"):
+    return GenerationRequest(request_id, list(range(3, 3 + prompt)), SamplingParams(max_tokens=max_tokens),
+                             CacheConfig(policy, budget=budget))
+
+
+def admission(slots: int, floor: int = 64, queue: int = 2) -> KVPoolAdmission:
+    return KVPoolAdmission(AdmissionPolicy(slots * SPEC.kv_bytes_per_token, floor, queue), SPEC)
+
+
+def test_admission_reserves_the_padded_batch_pool():
+    pool = admission(slots=1024)
+    assert pool.try_admit(request("streaming", 256, request_id="a")).slots == 256
+    assert pool.try_admit(request("streaming", 256, request_id="b")).slots == 256
+    assert pool.reserved_bytes == 2 * 256 * 512
+    # A third sequence of 320 slots pads every row to 320 (3 x 320 = 960 <= 1024) ...
+    assert pool.try_admit(request("h2o", 320, request_id="c")).slots == 320
+    # ... and a fourth of 64 would need 4 x 320 slots: it may not be degraded below 64, so it waits.
+    assert pool.try_admit(request("tova", 64, request_id="d")) is None
+    pool.release("c")
+    assert pool.try_admit(request("tova", 64, request_id="d")).slots == 64
+
+
+def test_full_cache_needs_prompt_plus_max_tokens_and_is_never_degraded():
+    pool = admission(slots=256)
+    assert pool.slots_needed(request("full", prompt=100, max_tokens=100)) == 256  # 200 rounded up to blocks
+    assert pool.try_admit(request("full", prompt=100, max_tokens=100, request_id="a")) is not None
+    assert pool.try_admit(request("full", prompt=10, max_tokens=10, request_id="b")) is None
+    assert not pool.fits_when_idle(request("full", prompt=300, max_tokens=10))
+
+
+def test_a_tight_pool_degrades_bounded_requests_down_to_the_floor():
+    pool = admission(slots=2048, floor=256)
+    pool.try_admit(request("streaming", 1024, request_id="holder"))
+    degraded = pool.try_admit(request("kvpop", 1500, request_id="big"))
+    assert degraded.degraded_from == 1500 and degraded.request.cache.budget == 1024
+    assert pool.try_admit(request("kvpop", 1500, request_id="another")) is None  # would fall below the floor
+
+
+def test_admission_respects_what_the_engine_really_holds():
+    pool = admission(slots=1024)
+    pool.observe_engine(1000 * SPEC.kv_bytes_per_token)  # finished rows not repacked away yet
+    assert pool.try_admit(request("streaming", 256)) is None
+    pool.observe_engine(900 * SPEC.kv_bytes_per_token)
+    assert pool.try_admit(request("streaming", 256, request_id="a")).slots == 64  # degraded to fit beside them
+    pool.observe_engine(0)
+    assert pool.try_admit(request("streaming", 256, request_id="b")).slots == 256
+
+
+def test_a_whole_prompt_prefill_is_reserved_until_its_first_token():
+    pool = admission(slots=2048)
+    alone = pool.try_admit(request("kvpop", 128, prompt=900, request_id="a"), prefill_slots=900)
+    assert alone.slots == 128 and pool.reserved_bytes == (128 + 900) * 512  # alone: admitted, its prompt counted
+    # A second long prompt prefilling at the same time would not fit beside it, at any budget: it waits.
+    assert pool.try_admit(request("kvpop", 128, prompt=900, request_id="b"), prefill_slots=900) is None
+    pool.prefill_done("a")  # a's first token: only its budget is held now
+    assert pool.reserved_bytes == 128 * 512
+    assert pool.try_admit(request("kvpop", 128, prompt=900, request_id="b"), prefill_slots=900).slots == 128
+    pool.release("b")  # finished or failed before its first token: the prompt's reservation goes too
+    assert pool.reserved_bytes == 128 * 512
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_hf_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_hf_model_dir)
+
+
+def test_streamed_text_joins_to_the_decoded_text(tokenizer):
+    text = "KVpop keeps a fixed budget: ünïcödé ✓ 漢字 and emoji 🙂 survive streaming."
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    pieces = [detokenizer.push(token) for token in ids] + [detokenizer.flush()]
+    assert "".join(pieces) == tokenizer.decode(ids) == text
+    assert all("\ufffd" not in piece for piece in pieces)  # never a half character
+
+
+def inputs(**tensors):
+    return lambda name: None if name not in tensors else np.asarray(tensors[name])
+
+
+CONFIG = ServiceConfig(max_prompt_tokens=64, max_output_tokens=32, default_max_tokens=16, default_kv_budget=128)
+
+
+def parse(tokenizer, parameters=None, **tensors):
+    return parse_request("id", inputs(**tensors), parameters or {}, tokenizer, 320, CONFIG)
+
+
+def test_parse_builds_the_engine_request(tokenizer):
+    parsed = parse(tokenizer, text_input=np.array([b"Let a = 7."], dtype=object), max_tokens=np.array([5]),
+                   eviction_policy=np.array([b"kvpop"], dtype=object), temperature=np.array([0.5], np.float32),
+                   seed=np.array([7]), stream=np.array([True]))
+    generation = parsed.generation
+    assert generation.prompt_ids == tokenizer("Let a = 7.").input_ids
+    assert generation.sampling.max_tokens == 5 and generation.sampling.temperature == 0.5
+    assert generation.sampling.seed == 7 and parsed.stream
+    assert generation.cache.policy == "kvpop" and generation.cache.budget == 128  # the configured default
+
+
+def test_request_parameters_are_accepted_like_inputs(tokenizer):
+    parameters = parse_parameters('{"max_tokens": 3, "eviction_policy": "h2o", "kv_budget": 64, "stop": ["\\n"]}')
+    parsed = parse(tokenizer, parameters, input_ids=np.array([5, 6, 7]))
+    assert parsed.generation.sampling.max_tokens == 3 and parsed.generation.sampling.stop == ("\n",)
+    assert parsed.generation.cache.policy == "h2o" and parsed.generation.cache.budget == 64
+
+
+@pytest.mark.parametrize(
+    "tensors, message",
+    [
+        ({"input_ids": np.array([1.5, 2.0])}, "INT32 or INT64"),
+        ({"input_ids": np.arange(3, 100)}, "at most 64"),
+        ({"text_input": np.array([b"ok"], dtype=object), "top_k": np.array([2.5])}, "integer"),
+        ({"text_input": np.array([b"ok"], dtype=object), "seed": np.array([1, 2])}, "exactly one value"),
+        ({"text_input": np.array([b"ok"], dtype=object), "stop": np.array([b"\xff"], dtype=object)}, "UTF-8"),
+        ({"text_input": np.array([b"ok"], dtype=object), "stop": np.array([b"x" * 300], dtype=object)}, "stop takes"),
+        ({"text_input": np.array([b"ok"], dtype=object), "stop": np.array([b"x"] * 17, dtype=object)}, "stop takes"),
+    ],
+)
+def test_parse_rejects_malformed_inputs(tokenizer, tensors, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        parse(tokenizer, **tensors)
+
+
+def test_parameters_must_be_json():
+    with pytest.raises(InvalidRequestError, match="JSON"):
+        parse_parameters("{not json")
+
+
+def test_the_serving_runtime_imports_no_torch():
+    """The GPU image ships onnxruntime-gpu, not torch: serving code must not import it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kvpop.serving.service, kvpop.serving.worker, kvpop.serving.metrics, kvpop.policies.kvpop.runtime; "
+            "print('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+def test_error_tags_mean_the_same_on_the_server_and_in_the_client():
+    from kvpop.serving.errors import ERROR_STATUS, ERROR_TAGS, kind_of, tagged
+    from kvpop_client.errors import ERROR_TAG_STATUS, status_from_message
+
+    assert ERROR_TAG_STATUS == {ERROR_TAGS[kind]: ERROR_STATUS[kind] for kind in ERROR_TAGS}
+    for kind in ERROR_TAGS:
+        message = tagged(kind, "max_tokens must be in [1, 64]")
+        assert kind_of(message) == kind and tagged(kind, message) == message
+        assert status_from_message(f"[StatusCode.UNKNOWN] {message}") == ERROR_STATUS[kind]
+    assert kind_of("something untagged") == "internal"
+
+
+def test_front_end_splits_a_batch_and_types_its_parameters():
+    from kvpop.serving.frontend import engine_prompts
+
+    dtypes = {"text_input": np.dtype(object), "temperature": np.dtype(np.float32), "kv_budget": np.dtype(np.int32),
+              "eviction_policy": np.dtype(object), "stop": np.dtype(object)}
+    text = np.array([[b"a"], [b"b"]], dtype=object)
+    prompts, forwarded = engine_prompts({"text_input": text},
+                                        {"temperature": 1.5, "kv_budget": 64, "eviction_policy": "h2o",
+                                         "stop": ["\n"], "confidence_threshold": 0.9}, dtypes)
+    assert [prompt["text_input"].tolist() for prompt in prompts] == [[[b"a"]], [[b"b"]]]
+    assert prompts[1]["temperature"].dtype == np.float32 and prompts[1]["temperature"][0, 0] == 1.5
+    assert prompts[0]["kv_budget"].tolist() == [[64]] and prompts[0]["eviction_policy"].tolist() == [[b"h2o"]]
+    assert prompts[0]["stop"].tolist() == [[b"\n"]]
+    assert forwarded == {"confidence_threshold": 0.9}  # unknown: passed on, ignored by the engine
+
+
+@pytest.mark.parametrize("inputs, parameters, message", [
+    ({"text_input": np.array([[b"a"]], dtype=object)}, {"stream": True}, "kvpop_engine"),
+    ({"text_input": np.array([[b"a"]], dtype=object)}, {"kv_budget": 1.5}, "integer"),
+    ({"text_input": np.array([[b"a"]], dtype=object)}, {"kv_budget": 2**40}, "out of range"),
+    ({"text_input": np.array([[b"a"]], dtype=object)}, {"temperature": [1]}, "string, number or boolean"),
+    ({"text_input": np.array([[b"a"], [b"b"]], dtype=object), "max_tokens": np.array([[1], [2], [3]], np.int32)}, {},
+     "disagree"),
+    ({}, {}, "send text_input"),
+])
+def test_front_end_refuses_what_it_cannot_forward(inputs, parameters, message):
+    from kvpop.serving.frontend import engine_prompts
+
+    dtypes = {"kv_budget": np.dtype(np.int32), "temperature": np.dtype(np.float32)}
+    with pytest.raises(InvalidRequestError, match=message):
+        engine_prompts(inputs, parameters, dtypes)
+
+
+def test_batched_answers_are_padded_to_the_longest():
+    from kvpop.serving.forwarder import PAD_TOKEN_ID, merge_answers
+
+    merged = merge_answers([{"output_ids": np.array([[1, 2, 3]]), "num_output_tokens": np.array([[3]])},
+                            {"output_ids": np.array([[4]]), "num_output_tokens": np.array([[1]])}])
+    assert merged["output_ids"].tolist() == [[1, 2, 3], [4, PAD_TOKEN_ID, PAD_TOKEN_ID]]
+    assert merged["num_output_tokens"].tolist() == [[3], [1]]
+
+
+# The TensorRT-LLM / vLLM style inputs that benchmark tools send (docs/API.md, benchmark tools).
+def test_a_non_empty_text_input_wins_over_input_ids_and_a_blank_one_gives_way(tokenizer):
+    ids = np.array([5, 6, 7, 8])
+    parsed = parse(tokenizer, text_input=np.array([b"Let a = 7."], dtype=object), input_ids=ids)
+    assert parsed.generation.prompt_ids == tokenizer("Let a = 7.").input_ids
+    parsed = parse(tokenizer, text_input=np.array([b" \x00"], dtype=object), input_ids=ids)
+    assert parsed.generation.prompt_ids == [5, 6, 7, 8]
+
+
+def test_zero_and_blank_optional_inputs_mean_not_sent(tokenizer):
+    blank = np.array([b" "], dtype=object)
+    parsed = parse(tokenizer, input_ids=np.array([0, 0, 0]), max_tokens=np.array([0], np.int32),
+                   top_p=np.array([0.0], np.float32), kv_budget=np.array([0], np.int32),
+                   compression_ratio=np.array([0.0], np.float32), eviction_policy=blank, session_id=blank,
+                   messages=blank, sampling_parameters=blank, stop=blank, min_length=np.array([0], np.int32),
+                   beam_width=np.array([0], np.int32), repetition_penalty=np.array([0.0], np.float32),
+                   exclude_input_in_output=np.array([True]))
+    assert parsed.generation.sampling.max_tokens == CONFIG.default_max_tokens
+    assert parsed.generation.session_id is None and parsed.generation.sampling.stop == ()
+    assert not parsed.echo_prompt
+
+
+def test_min_length_equal_to_max_tokens_ignores_eos_and_sampling_parameters_merge(tokenizer):
+    text = np.array([b"Let a = 7."], dtype=object)
+    parsed = parse(tokenizer, text_input=text, max_tokens=np.array([6], np.int32), min_length=np.array([6], np.int32))
+    assert parsed.generation.sampling.ignore_eos and parsed.generation.sampling.max_tokens == 6
+    sampling = np.array([b'{"max_tokens": 5, "min_tokens": 5, "temperature": 0.5, "n": 1}'], dtype=object)
+    parsed = parse(tokenizer, text_input=text, sampling_parameters=sampling)
+    assert parsed.generation.sampling.max_tokens == 5 and parsed.generation.sampling.ignore_eos
+    assert parsed.generation.sampling.temperature == 0.5
+    parsed = parse(tokenizer, text_input=text, exclude_input_in_output=np.array([False]))
+    assert parsed.echo_prompt
+
+
+@pytest.mark.parametrize("tensors, message", [
+    ({"beam_width": np.array([4], np.int32)}, "beam_width"),
+    ({"repetition_penalty": np.array([1.2], np.float32)}, "repetition_penalty"),
+    ({"presence_penalty": np.array([0.1], np.float32)}, "presence_penalty"),
+    ({"frequency_penalty": np.array([-0.1], np.float32)}, "frequency_penalty"),
+    ({"min_length": np.array([2], np.int32), "max_tokens": np.array([6], np.int32)}, "min_length"),
+    ({"min_tokens": np.array([9], np.int32), "max_tokens": np.array([6], np.int32)}, "larger than max_tokens"),
+    ({"sampling_parameters": np.array([b'{"best_of": 3}'], dtype=object)}, "best_of"),
+    ({"sampling_parameters": np.array([b'{"logprobs": 3}'], dtype=object)}, "unsupported keys"),
+    ({"sampling_parameters": np.array([b"[1]"], dtype=object)}, "JSON object"),
+    ({"exclude_input_in_output": np.array([False]), "stream": np.array([True])}, "complete answers only"),
+])
+def test_unsupported_tool_settings_are_refused(tokenizer, tensors, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        parse(tokenizer, text_input=np.array([b"Let a = 7."], dtype=object), **tensors)

@@ -1,0 +1,187 @@
+"""The engine worker without Triton: a real engine on the tiny model, answering into in-memory channels."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvpop.decoder import DecoderStep
+from kvpop.engine import Engine, EngineConfig
+from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
+from kvpop.model_spec import ModelSpec
+from kvpop.serving.admission import AdmissionPolicy, KVPoolAdmission, OverloadedError
+from kvpop.serving.request import ParsedRequest
+from kvpop.serving.worker import EngineWorker
+
+
+class ListChannel:
+    """Collects one request's responses; `cancel()` plays a client that goes away."""
+
+    def __init__(self) -> None:
+        self.responses: list[dict] = []
+        self.errors: list[tuple[str, str]] = []
+        self.done = threading.Event()
+        self.cancelled = False
+
+    def send(self, tensors, final):
+        self.responses.append(tensors)
+        if final:
+            self.done.set()
+
+    def send_error(self, message, kind):
+        self.errors.append((message, kind))
+        self.done.set()
+
+    def is_cancelled(self):
+        return self.cancelled
+
+    def ids(self) -> list[int]:
+        return [int(token) for response in self.responses for token in response["output_ids"].reshape(-1)]
+
+
+@pytest.fixture
+def worker(tiny_onnx_model_dir):
+    from transformers import AutoTokenizer
+
+    decoder = DecoderStep(tiny_onnx_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_onnx_model_dir / "tokenizer")
+    spec = ModelSpec.load(tiny_onnx_model_dir)
+    admission = KVPoolAdmission(AdmissionPolicy(1024 * spec.kv_bytes_per_token, 64, 1), spec)
+    worker = EngineWorker(lambda: Engine(decoder, tokenizer=tokenizer), tokenizer, admission, idle_wait=0.01).start()
+    yield worker
+    worker.stop()
+
+
+def parsed(request_id: str, stream: bool, max_tokens: int = 8, budget: int | None = None, ignore_eos: bool = False):
+    cache = CacheConfig("streaming", budget=budget) if budget else CacheConfig()
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
+    return ParsedRequest(GenerationRequest(request_id, list(range(5, 25)), sampling, cache), stream=stream)
+
+
+def test_streamed_and_complete_answers_carry_the_same_tokens(worker):
+    streamed, complete = ListChannel(), ListChannel()
+    worker.submit(parsed("a", stream=True), streamed)
+    worker.submit(parsed("b", stream=False), complete)
+    assert streamed.done.wait(30) and complete.done.wait(30)
+    assert len(streamed.responses) == 8 and len(complete.responses) == 1
+    assert streamed.ids() == complete.ids()
+    assert complete.responses[0]["finish_reason"][0, 0] == b"length"
+    assert worker.admission.reserved_bytes == 0
+    # A streamed token carries its text, token and counts; the cache statistics come with the last
+    # response only, as in a complete answer (README: outputs).
+    core = {"text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens"}
+    assert all(set(response) == core for response in streamed.responses[:-1])
+    assert set(streamed.responses[-1]) == set(complete.responses[0]) > core
+    assert streamed.responses[-1]["kv_budget"][0, 0] == complete.responses[0]["kv_budget"][0, 0] > 0
+
+
+def test_cancel_frees_slots_and_queue_limit_rejects(worker):
+    holder = ListChannel()
+    worker.submit(parsed("holder", stream=True, max_tokens=60_000, budget=1000, ignore_eos=True), holder)
+    while not holder.responses:
+        time.sleep(0.01)
+    waiting = ListChannel()
+    worker.submit(parsed("waiting", stream=False, max_tokens=8, budget=1000), waiting)  # queued: no room
+    with pytest.raises(OverloadedError, match="overloaded"):
+        worker.submit(parsed("refused", stream=False, budget=1000), ListChannel())
+    holder.cancelled = True
+    assert holder.done.wait(10) and waiting.done.wait(30)
+    assert holder.responses[-1]["finish_reason"][0, 0] == b"cancelled"
+    assert len(waiting.ids()) == 8 and worker.admission.reserved_bytes == 0
+
+
+def test_stopping_answers_every_waiting_request(tiny_onnx_model_dir, worker):
+    holder, waiting = ListChannel(), ListChannel()
+    worker.submit(parsed("holder", stream=True, max_tokens=60_000, budget=1000, ignore_eos=True), holder)
+    while not holder.responses:
+        time.sleep(0.01)
+    worker.submit(parsed("waiting", stream=False, budget=1000), waiting)
+    worker.stop()
+    assert holder.errors and waiting.errors
+    assert all("shutting down" in message for message, _ in holder.errors + waiting.errors)
+    assert not np.any([worker.num_active, worker.num_queued])
+
+
+class BrokenChannel(ListChannel):
+    """A client whose connection breaks after its first streamed token."""
+
+    def send(self, tensors, final):
+        if self.responses:
+            raise ConnectionError("client gone")
+        super().send(tensors, final)
+
+
+def test_a_client_that_breaks_mid_stream_is_cancelled_and_others_carry_on(worker):
+    broken, healthy = BrokenChannel(), ListChannel()
+    worker.submit(parsed("broken", stream=True, max_tokens=60_000, budget=512, ignore_eos=True), broken)
+    worker.submit(parsed("healthy", stream=False, max_tokens=8), healthy)
+    assert healthy.done.wait(30) and len(healthy.ids()) == 8
+    deadline = time.time() + 10
+    while worker.num_active and time.time() < deadline:
+        time.sleep(0.01)
+    assert worker.num_active == 0 and worker.admission.reserved_bytes == 0
+
+
+class CountingChannel(ListChannel):
+    """Counts is_cancelled() calls (each one is an IPC round trip to the Triton parent in production)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checks = 0
+
+    def is_cancelled(self):
+        self.checks += 1
+        return super().is_cancelled()
+
+
+def test_cancellation_is_checked_at_most_every_interval_not_every_step(worker):
+    """A stream of 200 tokens (200 engine steps) is asked whether it was cancelled about once per
+    50 ms, not once per step; a cancellation still ends it."""
+    channel = CountingChannel()
+    started = time.perf_counter()
+    worker.submit(parsed("counted", stream=True, max_tokens=200, budget=64, ignore_eos=True), channel)
+    assert channel.done.wait(60)
+    elapsed = time.perf_counter() - started
+    steps = len(channel.responses)
+    assert steps == 200
+    # Over its wall time T the stream is asked at most once per 50 ms (+1 for the first step), and
+    # never more than once per step: a bound that loosens on a slow machine instead of failing.
+    assert channel.checks <= min(steps, elapsed / 0.05 + 2)
+    cancelled = CountingChannel()
+    worker.submit(parsed("cancelled", stream=True, max_tokens=60_000, budget=64, ignore_eos=True), cancelled)
+    while not cancelled.responses:
+        time.sleep(0.01)
+    cancelled.cancelled = True
+    assert cancelled.done.wait(10) and cancelled.responses[-1]["finish_reason"][0, 0] == b"cancelled"
+
+
+def test_a_prompt_fed_in_several_chunks_never_waits_idle(tiny_onnx_model_dir, monkeypatch):
+    """Steps that only feed prompt chunks yield no token event; the worker must go straight on to the
+    next chunk. The idle wait is for requests waiting on KV memory only (it once cost a long prompt
+    one wait per chunk: most of its time to first token through the server)."""
+    from transformers import AutoTokenizer
+
+    from kvpop.serving import worker as worker_module
+
+    decoder = DecoderStep(tiny_onnx_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_onnx_model_dir / "tokenizer")
+    spec = ModelSpec.load(tiny_onnx_model_dir)
+    admission = KVPoolAdmission(AdmissionPolicy(1024 * spec.kv_bytes_per_token, 64, 1), spec)
+    idle_waits = []
+    real_sleep = time.sleep
+    monkeypatch.setattr(worker_module.time, "sleep", lambda seconds: (idle_waits.append(seconds), real_sleep(seconds)))
+    worker = EngineWorker(
+        lambda: Engine(decoder, EngineConfig(prefill_chunk=8), tokenizer=tokenizer), tokenizer, admission, idle_wait=0.01
+    ).start()
+    try:
+        channel = ListChannel()
+        request = GenerationRequest("long", list(range(5, 69)), SamplingParams(max_tokens=4, ignore_eos=True))
+        worker.submit(ParsedRequest(request, stream=True), channel)  # 64 prompt tokens: 8 chunks of 8
+        assert channel.done.wait(30)
+        assert len(channel.ids()) == 4 and not channel.errors
+        assert idle_waits == []
+    finally:
+        worker.stop()

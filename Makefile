@@ -160,7 +160,7 @@ train-scorer: setup  ## train the KVpop scorers (mLSTM + MLP) for MODEL (default
 		--max-tokens $(SCORER_MAX_TOKENS) --window $(REAL_KV_WINDOW) --target-scope $(SCORER_TARGET_SCOPE) \
 		--span-pooling $(SCORER_SPAN_POOLING) --traces build/scorer-texts/traces-$(notdir $(MODEL:/=))-$(SCORER_QUESTIONS)-$(SCORER_NUM_TEXTS)x$(SCORER_MAX_TOKENS).pt --threads $(THREADS),--window $(KV_WINDOW))
 
-# English long-context benchmark (benchmarks/english_tasks.py) on the exported model (`make export`):
+# English long-context benchmark (kvpop_eval/english_tasks.py) on the exported model (`make export`):
 # every policy (or REAL_POLICIES) x compression per context length, contains-scoring, into
 # build/results/quality-real-<tokens>/.
 # 64 output tokens: a multi-value answer lists four 6-digit numbers (SmolLM2 spends a token per digit).
@@ -176,27 +176,27 @@ eval-real: setup  ## [evaluate] English RULER-like tasks (REAL_TASK_NUM per leng
 	@test -f model_repository/kvpop_engine/1/model_spec.json || { echo "no exported model: run 'make export' first"; exit 1; }
 	@for tokens in $(REAL_TASK_LENGTHS); do \
 		tasks=build/real-tasks/$(REAL_TASK_SPLIT)-$$tokens.jsonl; \
-		$(PY) -m benchmarks.english_tasks write --model $(or $(MODEL),$(REAL_MODEL)) --split $(REAL_TASK_SPLIT) \
+		$(PY) -m kvpop_eval.english_tasks write --model $(or $(MODEL),$(REAL_MODEL)) --split $(REAL_TASK_SPLIT) \
 			--context-tokens $$tokens --num $(REAL_TASK_NUM) --families $(REAL_TASK_FAMILIES) --out $$tasks && \
-		$(PY) -m kvpop.eval --model model_repository/kvpop_engine/1 --tasks $$tasks --sweep --scoring contains \
+		$(PY) -m kvpop_eval.quality --model model_repository/kvpop_engine/1 --tasks $$tasks --sweep --scoring contains \
 			--max-tokens $(REAL_MAX_TOKENS) --window $(REAL_KV_WINDOW) $(if $(REAL_POLICIES),--policies $(REAL_POLICIES)) \
 			--out-dir $(REAL_QUALITY_DIR)/quality-real-$$tokens || exit 1; \
 	done
 
 tasks: setup  ## write 200 reference tasks of TASK_SPLIT (default heldout) at TASK_TOKENS (default 2048) to build/tasks/
-	$(PY) -m kvpop.tasks write --split $(TASK_SPLIT) --num 200 --context-tokens $(TASK_TOKENS) $(if $(TASK_FACTS),--num-facts $(TASK_FACTS)) --out $(TASKS_FILE)
+	$(PY) -m kvpop_eval.tasks write --split $(TASK_SPLIT) --num 200 --context-tokens $(TASK_TOKENS) $(if $(TASK_FACTS),--num-facts $(TASK_FACTS)) --out $(TASKS_FILE)
 
 eval-sweep: tasks  ## [evaluate] every policy x compression 0-94% on the reference model, TASK_SPLIT (default heldout): build/results/quality-reference-<tokens>/
 	@test -f $(EVAL_MODEL)/model_spec.json || $(PY) -m export --model $(REFERENCE) --output $(EVAL_MODEL)
-	$(PY) -m kvpop.eval --model $(EVAL_MODEL) --tasks $(TASKS_FILE) --sweep --window $(KV_WINDOW) $(if $(EVAL_POLICIES),--policies $(EVAL_POLICIES)) --out-dir $(QUALITY_DIR)
-	@test ! -f $(KVPRESS_OUT) || $(PY) -m benchmarks.kvpress_compare merge --kvpress $(KVPRESS_OUT) --sweep-dir $(QUALITY_DIR)
+	$(PY) -m kvpop_eval.quality --model $(EVAL_MODEL) --tasks $(TASKS_FILE) --sweep --window $(KV_WINDOW) $(if $(EVAL_POLICIES),--policies $(EVAL_POLICIES)) --out-dir $(QUALITY_DIR)
+	@test ! -f $(KVPRESS_OUT) || $(PY) -m kvpop_eval.kvpress_compare merge --kvpress $(KVPRESS_OUT) --sweep-dir $(QUALITY_DIR)
 
 # NVIDIA kvpress as an outside peer, in its own environment (it pins transformers<5.3 and numpy 2).
 KVPRESS_VENV := .venv-kvpress
 KVPRESS_PY := $(KVPRESS_VENV)/bin/python
 KVPRESS_STAMP := $(KVPRESS_VENV)/.kvpress-setup
 KVPRESS_OUT ?= $(QUALITY_DIR)/kvpress.json
-KVPRESS_ARGS ?=# e.g. --scoring contains for the English tasks (as kvpop.eval --scoring)
+KVPRESS_ARGS ?=# e.g. --scoring contains for the English tasks (as kvpop_eval.quality --scoring)
 
 kvpress-env: $(KVPRESS_STAMP)  ## create .venv-kvpress for the kvpress comparison (its own pins)
 
@@ -207,9 +207,9 @@ $(KVPRESS_STAMP): requirements/kvpress.txt
 
 eval-kvpress: kvpress-env tasks  ## [evaluate] kvpress presses on MODEL (default: reference) x TASK_SPLIT, merged into the eval-sweep results
 	@test -f $(QUALITY_DIR)/sweep.json || { echo "no $(QUALITY_DIR)/sweep.json: run 'make eval-sweep' first"; exit 1; }
-	$(KVPRESS_PY) -m benchmarks.kvpress_compare run --model $(or $(MODEL),$(REFERENCE)) --tasks $(TASKS_FILE) \
+	$(KVPRESS_PY) -m kvpop_eval.kvpress_compare run --model $(or $(MODEL),$(REFERENCE)) --tasks $(TASKS_FILE) \
 		--out $(KVPRESS_OUT) $(KVPRESS_ARGS)
-	$(PY) -m benchmarks.kvpress_compare merge --kvpress $(KVPRESS_OUT) --sweep-dir $(QUALITY_DIR)
+	$(PY) -m kvpop_eval.kvpress_compare merge --kvpress $(KVPRESS_OUT) --sweep-dir $(QUALITY_DIR)
 
 speed: setup  ## [benchmark] decode speed and memory vs context length, full vs bounded vs HF generate: build/results/speed/
 	$(PY) -m benchmarks.speed --out-dir $(RESULTS_OUT)/speed

@@ -1,4 +1,4 @@
-"""benchmarks.kvpress_compare without kvpress: the +question variant's context/question split, its
+"""kvpop_eval.kvpress_compare without kvpress: the +question variant's context/question split, its
 generation (the press sees the context alone) and compression columns, and the merge of its rows."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.kvpress_compare import Generation, encode, load_tasks, merge, policy_name, split_prompt
+from kvpop_eval.kvpress_compare import Generation, encode, load_tasks, merge, policy_name, split_prompt
 
-SMOLLM = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct"
+SMOLLM = Path(__file__).resolve().parents[2] / "models" / "smollm2-135m-instruct"
 
 
 class WordTokenizer:
@@ -56,7 +56,7 @@ def test_split_prompt_refuses_a_prompt_without_its_context_and_question():
 def test_split_prompt_on_the_smollm2_chat_template():
     from transformers import AutoTokenizer
 
-    from benchmarks.english_tasks import generate_task
+    from kvpop_eval.english_tasks import generate_task
 
     tokenizer = AutoTokenizer.from_pretrained(SMOLLM)
     record = generate_task("passkey", "validation", 0, 256, lambda text: len(tokenizer(text)["input_ids"]))
@@ -112,7 +112,7 @@ class FakePress:
 
 def test_question_generation_prunes_the_context_alone(tmp_path):
     pytest.importorskip("torch")
-    from benchmarks.kvpress_compare import PressRunner
+    from kvpop_eval.kvpress_compare import PressRunner
     from export.tiny_model import build_tiny_llama
 
     runner = PressRunner(build_tiny_llama(tmp_path / "tiny"), max_tokens=6)

@@ -10,14 +10,14 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from kvpop.tasks import TaskConfig, generate_task
+from kvpop_eval.tasks import TaskConfig, generate_task
 from kvpop_train.reference.batches import IGNORE, collate, encode_drill, encode_task
 from kvpop_train.reference.curriculum import STAGES, CurriculumState
 from kvpop_train.reference.drills import LookupDrill, RepeatDrill, drill_words
 from kvpop_train.reference.model import ReferenceModelConfig, build_model, widen_mlp
 from kvpop_train.reference.tokenizer import BOS, EOS, VOCAB, encode_words, save_tokenizer
 
-SHIPPED = Path(__file__).resolve().parents[1] / "models" / "reference"
+SHIPPED = Path(__file__).resolve().parents[2] / "models" / "reference"
 
 
 @pytest.fixture(scope="module")
@@ -96,9 +96,9 @@ def _hardest_passed_gate() -> TaskConfig | None:
 
 
 def test_shipped_model_answers_test_tasks(reference_onnx_model_dir) -> None:
-    """Through the one accuracy harness (kvpop.eval): the exported model, run by the engine."""
+    """Through the one accuracy harness (kvpop_eval.quality): the exported model, run by the engine."""
     from kvpop.engine import CacheConfig, Engine
-    from kvpop.eval import evaluate
+    from kvpop_eval.quality.harness import evaluate
 
     gate = _hardest_passed_gate()
     if gate is None:

@@ -1,15 +1,15 @@
 """Side by side with an outside peer: NVIDIA kvpress presses on the same HF model and tasks, as rows
-for the quality table of `kvpop.eval --sweep`.
+for the quality table of `kvpop_eval.quality --sweep`.
 
 Two steps in two environments, because kvpress 0.5.5 pins transformers<5.3 and numpy 2 while the
 engine keeps numpy<2:
 
     # in .venv-kvpress (make kvpress-env): greedy generation under every press -> kvpress.json
-    python -m benchmarks.kvpress_compare run --model models/reference --tasks build/tasks/test-512.jsonl \
+    python -m kvpop_eval.kvpress_compare run --model models/reference --tasks build/tasks/test-512.jsonl \
         --out build/kvpress/kvpress.json
     # in .venv: merge the rows into an existing sweep (sweep.json, sweep.md, plot regenerated with
-    # kvpop.eval's own table and plot)
-    python -m benchmarks.kvpress_compare merge --kvpress build/kvpress/kvpress.json --sweep-dir build/results/quality-reference-2048
+    # kvpop_eval.quality's own table and plot)
+    python -m kvpop_eval.kvpress_compare merge --kvpress build/kvpress/kvpress.json --sweep-dir build/results/quality-reference-2048
 
 What runs (kvpress's own classes, read from its 0.5.5 source, not re-implemented):
 - `kvpress:NAME`: the press at `compression_ratio=r` during prefill, kvpress's native use. It
@@ -20,7 +20,7 @@ What runs (kvpress's own classes, read from its 0.5.5 source, not re-implemented
   the prefill press prunes the prompt to the budget, then `DecodingPress` (same scorer) prunes back
   every `interval` generated tokens, so no query ever sees more than B cached tokens plus itself.
 - `kvpress:NAME+question` (`--variants question`; tasks need "context" and "question", as
-  benchmarks.english_tasks writes them): kvpress's question-answering use, `pipe(context,
+  kvpop_eval.english_tasks writes them): kvpress's question-answering use, `pipe(context,
   question=...)`. The press prunes r of the CONTEXT's cache only; the rest of the prompt (blank
   line, question, end of turn, assistant header) is then fed uncompressed and every generated token
   is kept. The tokens are the engine's own chat-templated prompt cut where the context ends
@@ -51,7 +51,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-COMPRESSIONS = (0.5, 0.75, 0.88, 0.94)  # kvpop.eval.SWEEP_COMPRESSIONS without the full cache at 0
+from kvpop_eval.provenance import stamp
+from kvpop_eval.quality.report import markdown_table, plot_sweep
+from kvpop_eval.quality.tasks_io import SWEEP_COMPRESSIONS, encode, load_tasks, scorer
+
+COMPRESSIONS = tuple(ratio for ratio in SWEEP_COMPRESSIONS if ratio)  # the full cache at 0 is the engine's row
 PRESS_NAMES = ("streaming_llm", "snapkv", "expected_attention", "knorm")
 VARIANTS = ("prefill", "decoding", "question")
 DEFAULT_VARIANTS = ("prefill", "decoding")  # `question` needs tasks with "context" and "question"
@@ -89,31 +93,8 @@ PRESSES: dict[str, PressSpec] = {
 # --- run (in .venv-kvpress) ---------------------------------------------------------------------
 
 
-def load_tasks(path: Path, limit: int | None, split: bool = False) -> list[dict]:
-    """The same JSONL kvpop.eval reads (kvpop.eval itself imports the engine, which needs numpy<2);
-    `split` (the +question variant) also needs each task's "context" and "question"."""
-    tasks = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    missing = [number for number, task in enumerate(tasks, start=1) if "prompt" not in task or "answer" not in task]
-    if missing or not tasks:
-        raise ValueError(f"{path}: every line needs 'prompt' and 'answer' (bad lines: {missing[:5]}, tasks: {len(tasks)})")
-    tasks = tasks[:limit] if limit else tasks
-    unsplit = [number for number, task in enumerate(tasks, start=1)
-               if not (isinstance(task.get("context"), str) and isinstance(task.get("question"), str))]
-    if split and unsplit:
-        raise ValueError(f"{path}: --variants question needs 'context' and 'question' strings on every line, as "
-                         f"benchmarks.english_tasks writes them (lines without: {unsplit[:5]}, {len(unsplit)} in all)")
-    return tasks
-
-
 def policy_name(name: str, variant: str) -> str:
     return f"kvpress:{name}{SUFFIXES[variant]}"
-
-
-def encode(tokenizer: Any, prompt: str) -> list[int]:
-    """As kvpop.eval.encode: the tokenizer's ids with BOS first."""
-    ids = list(tokenizer(prompt)["input_ids"])
-    bos = getattr(tokenizer, "bos_token_id", None)
-    return ids if bos is None or (ids and ids[0] == bos) else [bos, *ids]
 
 
 def split_prompt(tokenizer: Any, task: dict) -> tuple[list[int], int]:
@@ -292,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     import kvpress
 
-    is_correct = answer_check(args.scoring)
+    is_correct = scorer(args.scoring)
     names = [name.strip() for name in args.presses.split(",") if name.strip()]
     variants = [variant.strip() for variant in args.variants.split(",") if variant.strip()]
     compressions = [float(ratio) for ratio in args.compressions.split(",")]
@@ -340,7 +321,7 @@ def run(args: argparse.Namespace) -> int:
             progress.update()
             progress.set_postfix(accuracy=f"{sum(r['correct'] for r in records) / len(records):.3f}")
         row = summarize(policy, variant, ratio, records, time.perf_counter() - start, runner.token_bytes)
-        row["correct_by_task"] = "".join("1" if record["correct"] else "0" for record in records)  # task order, as kvpop.eval
+        row["correct_by_task"] = "".join("1" if record["correct"] else "0" for record in records)  # task order, as kvpop_eval.quality
         if name is None:
             full_accuracy = row["accuracy"]
         else:
@@ -398,17 +379,7 @@ def write_report(args: argparse.Namespace, tasks: list[dict], results: list[dict
         "results": [*zero_rows, *results],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-
-
-def answer_check(scoring: str):
-    """As kvpop.eval.scorer (which imports the engine, and so numpy<2): `contains` needs every item of a
-    list answer somewhere in the text; `final_answer` is the reference tasks' exact match."""
-    if scoring == "contains":
-        return lambda text, answer: all(str(item).strip() in text for item in (answer if isinstance(answer, list) else [answer]))
-    from kvpop.tasks import exact_match  # pure Python: imports cleanly beside numpy 2
-
-    return lambda text, answer: exact_match(text, str(answer))
+    args.out.write_text(json.dumps(stamp(report), indent=2) + "\n")
 
 
 def _version(package: str) -> str:
@@ -422,9 +393,7 @@ def _version(package: str) -> str:
 
 def merge(kvpress_json: Path, sweep_dir: Path) -> list[dict]:
     """Replace any kvpress rows of `sweep_dir/sweep.json` by those of `kvpress_json`, then rewrite
-    sweep.md and the plot with kvpop.eval's own table and plot."""
-    from kvpop.eval import markdown_table, plot_sweep
-
+    sweep.md and the plot with kvpop_eval.quality's own table and plot."""
     sweep_path = sweep_dir / "sweep.json"
     sweep = json.loads(sweep_path.read_text())
     peer = json.loads(kvpress_json.read_text())
@@ -442,7 +411,7 @@ def merge(kvpress_json: Path, sweep_dir: Path) -> list[dict]:
                                                     "tasks_file", "tasks_sha256", "max_tokens", "full_accuracy_hf", "definitions")}
     sweep_path.write_text(json.dumps(sweep, indent=2) + "\n")
     note = (
-        f"\nkvpress {peer['kvpress_version']} rows (`benchmarks/kvpress_compare.py`, HF torch, greedy): `kvpress:NAME` prunes "
+        f"\nkvpress {peer['kvpress_version']} rows (`kvpop_eval/kvpress_compare.py`, HF torch, greedy): `kvpress:NAME` prunes "
         "the given fraction of the prompt once after prefill and keeps every generated token; `kvpress:NAME+decoding` "
         "holds the engine's budget for the same compression with PrefillDecodingPress + DecodingPress; "
         "`kvpress:NAME+question` prunes the given fraction of the context alone (kvpress's question-answering use) and "
@@ -465,7 +434,7 @@ def merge(kvpress_json: Path, sweep_dir: Path) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.kvpress_compare", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m kvpop_eval.kvpress_compare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     run_parser = commands.add_parser("run", help="generate under every press (in .venv-kvpress) -> kvpress.json")
@@ -477,14 +446,14 @@ def main(argv: list[str] | None = None) -> int:
                             help="prefill (kvpress native), decoding (engine budget), question (the press sees the context "
                                  "only, the question follows uncompressed; needs 'context' and 'question' per task)")
     run_parser.add_argument("--compressions", default=",".join(str(ratio) for ratio in COMPRESSIONS))
-    run_parser.add_argument("--max-tokens", type=int, default=64, help="as kvpop.eval --max-tokens")
+    run_parser.add_argument("--max-tokens", type=int, default=64, help="as kvpop_eval.quality --max-tokens")
     run_parser.add_argument("--limit", type=int, default=None, help="first N tasks only")
     run_parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    run_parser.add_argument("--scoring", choices=["final_answer", "contains"], default="final_answer", help="as kvpop.eval --scoring")
+    run_parser.add_argument("--scoring", choices=["final_answer", "contains"], default="final_answer", help="as kvpop_eval.quality --scoring")
     run_parser.add_argument("--show", action="store_true", help="print every generated answer (smoke checks)")
-    merge_parser = commands.add_parser("merge", help="add kvpress.json rows to a kvpop.eval sweep (in .venv)")
+    merge_parser = commands.add_parser("merge", help="add kvpress.json rows to a kvpop_eval.quality sweep (in .venv)")
     merge_parser.add_argument("--kvpress", type=Path, required=True)
-    merge_parser.add_argument("--sweep-dir", type=Path, required=True, help="folder with sweep.json from kvpop.eval --sweep")
+    merge_parser.add_argument("--sweep-dir", type=Path, required=True, help="folder with sweep.json from kvpop_eval.quality --sweep")
     args = parser.parse_args(argv)
     if args.command == "run":
         return run(args)

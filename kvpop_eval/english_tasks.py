@@ -1,7 +1,7 @@
 """English long-context tasks in the spirit of RULER (Hsieh et al., 2024, "RULER: What's the Real
 Context Size of Your Long-Context Language Models?"), for the real model's accuracy under eviction.
 
-    python -m benchmarks.english_tasks write --model DIR --split test --context-tokens 2048 --num 40 --out FILE.jsonl
+    python -m kvpop_eval.english_tasks write --model DIR --split test --context-tokens 2048 --num 40 --out FILE.jsonl
 
 Haystack: English prose from the Python language reference that ships with every CPython
 (`pydoc_data.topics`, the text behind `help("topics")`): real text, installed by name, identical on
@@ -22,7 +22,7 @@ The user turn is RULER's shape: a statement of what is hidden (never the key ask
 with the needles, then the question. A record is {"prompt", "context", "question", "answer" (a string,
 or a list that must all appear), "family", "split", "context_tokens", "index"}; "prompt" is the user
 turn (context, a blank line, question) rendered by the model's chat template when --model is given.
-Scoring is `contains` (kvpop.eval --scoring contains).
+Scoring is `contains` (kvpop_eval.quality --scoring contains).
 """
 
 from __future__ import annotations
@@ -243,7 +243,7 @@ def write_tasks(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.english_tasks", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kvpop_eval.english_tasks", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     write = commands.add_parser("write", help="write a split's tasks as JSONL")
     write.add_argument("--model", type=Path, help="Hugging Face model directory: its tokenizer and chat template")

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from benchmarks.english_tasks import FAMILIES, SPLITS, TASK_STATEMENTS, _pool, generate_task, haystack_paragraphs, write_tasks
+from kvpop_eval.english_tasks import FAMILIES, SPLITS, TASK_STATEMENTS, _pool, generate_task, haystack_paragraphs, write_tasks
 
 
 def count_words(text: str) -> int:
@@ -73,7 +73,7 @@ def test_write_tasks_cycles_through_the_families(tmp_path):
 
 
 def test_contains_scoring_needs_every_answer_of_a_list():
-    from kvpop.eval import scorer
+    from kvpop_eval.quality import scorer
 
     is_correct = scorer("contains")
     assert is_correct("The numbers are 111111 and 222222.", ["111111", "222222"])
@@ -142,7 +142,7 @@ def test_value_questions_ask_for_every_sentence_that_states_a_value():
 def test_sweeps_of_the_same_tasks_merge_into_one_table(tmp_path):
     import json
 
-    from kvpop.eval import merge_sweeps
+    from kvpop_eval.quality import merge_sweeps
 
     def row(policy, compression, accuracy, seconds):
         return {"policy": policy, "compression": compression, "accuracy": accuracy, "compression_achieved": compression,

@@ -1,7 +1,7 @@
 """Long-context multi-step arithmetic tasks on which KV-cache eviction is measured."""
 
-from kvpop.tasks.generator import SPLITS, Fact, Question, Task, TaskConfig, generate_split, generate_task
-from kvpop.tasks.scoring import accuracy, exact_match, extract_final_answer
+from kvpop_eval.tasks.generator import SPLITS, Fact, Question, Task, TaskConfig, generate_split, generate_task
+from kvpop_eval.tasks.scoring import accuracy, exact_match, extract_final_answer
 
 __all__ = [
     "SPLITS",

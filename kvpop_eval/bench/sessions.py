@@ -2,7 +2,7 @@
 with a session (the server keeps the cache between turns and prefills only the new tokens) vs
 without (the whole history is sent and prefilled every turn).
 
-    python -m benchmarks.session_ttft --model build/reference-export --out-dir build/results/sessions   # make bench-sessions
+    python -m kvpop_eval.bench.sessions --model build/reference-export --out-dir build/results/sessions   # make bench-sessions
 
 Starts the real server (kvpop.serving.launcher.TritonServer, CPU config) on the exported model and
 streams over gRPC; TTFT is the time from sending the request to the first streamed token. The
@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from kvpop_eval.provenance import stamp
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODES = ("session", "whole history")
@@ -101,7 +102,7 @@ def markdown(report: dict) -> str:
     lines = [
         "# Time to first token per turn: sessions vs resending the whole history",
         "",
-        f"`make bench-sessions` (`benchmarks/session_ttft.py`), model `{setup['model']}`, CPU config, gRPC streaming, "
+        f"`make bench-sessions` (`kvpop_eval/bench/sessions.py`), model `{setup['model']}`, CPU config, gRPC streaming, "
         f"policy `full`, greedy; first turn {setup['system_tokens']} tokens, then {setup['user_tokens']} user tokens "
         f"and {setup['reply_tokens']} reply tokens per turn; median of {setup['reps']} interleaved repetitions; "
         f"{setup['machine']}.",
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "session_ttft.json").write_text(json.dumps(report, indent=1) + "\n")
+    (args.out_dir / "session_ttft.json").write_text(json.dumps(stamp(report), indent=1) + "\n")
     (args.out_dir / "session_ttft.md").write_text(markdown(report))
     plot(report, args.out_dir / "session_ttft.png")
     print(markdown(report))

@@ -1,7 +1,7 @@
 """OpenAI API benchmark (a program, not a test): AIPerf against the OpenAI-compatible API, and the
 route's own cost against Triton's generate_stream, on a running server (`make serve-bg`).
 
-    python -m benchmarks.openai_bench --aiperf .venv-aiperf/bin/aiperf --out-dir build/results/openai   # make bench-openai
+    python -m kvpop_eval.bench.openai --aiperf .venv-aiperf/bin/aiperf --out-dir build/results/openai   # make bench-openai
 
 1. AIPerf, unchanged, streams chat completions at `--concurrency` for the full cache and for kvpop at 88%
    (the KVpop controls go in as `--extra-inputs`); its reports land in <out-dir>/aiperf-<system>/ and
@@ -22,6 +22,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from kvpop_eval.provenance import stamp
 
 SYSTEMS = {"full": {"eviction_policy": "full"}, "kvpop-88": {"eviction_policy": "kvpop", "compression_ratio": 0.88}}
 MODEL = "kvpop_engine"
@@ -106,7 +107,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.openai_bench", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m kvpop_eval.bench.openai", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--aiperf", default=".venv-aiperf/bin/aiperf")
     parser.add_argument("--openai-url", default="http://127.0.0.1:9000")
@@ -120,10 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=Path, default=Path("build/results/openai"))
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result = {"commit": commit, "command": [sys.executable, "-m", "benchmarks.openai_bench", *(argv or sys.argv[1:])],
-              "aiperf": {system: run_aiperf(args, system, controls) for system, controls in SYSTEMS.items()},
-              "route_overhead": route_overhead(args)}
+    result = stamp({"aiperf": {system: run_aiperf(args, system, controls) for system, controls in SYSTEMS.items()},
+                    "route_overhead": route_overhead(args)})
     (args.out_dir / "openai.json").write_text(json.dumps(result, indent=2) + "\n")
     (args.out_dir / "openai.md").write_text(markdown(result))
     print(markdown(result))

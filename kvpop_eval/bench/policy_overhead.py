@@ -1,7 +1,7 @@
 """kvpop's own cost per token in the engine (a program, not a test): full vs kvpop with each learned
 scorer, with the vectorised decode path on and off, in one run with interleaved repetitions.
 
-    python -m benchmarks.policy_overhead --model build/bench/reference --out-dir build/results/overhead
+    python -m kvpop_eval.bench.policy_overhead --model build/bench/reference --out-dir build/results/overhead
 
 Runs `Engine.generate` (no Triton) on B prompts of P random tokens generating N tokens each, every
 system once per repetition, repetitions interleaved so a busy minute of a shared machine hits every
@@ -13,16 +13,21 @@ Writes policy_overhead.json and policy_overhead.md into --out-dir.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
 import statistics
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
-from kvpop.engine import CacheConfig, Engine, GenerationRequest, SamplingParams
+from kvpop.engine import CacheConfig, GenerationRequest, SamplingParams
+from kvpop_eval.engine_factory import build_engine
+from kvpop_eval.provenance import stamp
+from kvpop_eval.timing import medians
 
 
 def systems(scorers: list[str], compression: float, budget: int | None = None) -> dict[str, tuple[CacheConfig, bool]]:
@@ -38,7 +43,7 @@ def systems(scorers: list[str], compression: float, budget: int | None = None) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.policy_overhead", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kvpop_eval.bench.policy_overhead", description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True, help="exported model directory with learned scorers")
     parser.add_argument("--out-dir", type=Path, default=Path("build/results/overhead"))
     parser.add_argument("--batch", type=int, default=8)
@@ -50,27 +55,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repetitions", type=int, default=7)
     args = parser.parse_args(argv)
 
-    probe = Engine.from_model_dir(args.model)
+    probe = build_engine(args.model)
     table = systems(sorted(probe.learned_scorers), args.compression, args.budget)
     engines = {}
     for name, (_, batched) in table.items():
-        engines[name] = Engine.from_model_dir(args.model, max_batch_size=args.batch, min_bounded_chunk=args.min_chunk)
+        engines[name] = build_engine(args.model, max_batch_size=args.batch, min_bounded_chunk=args.min_chunk)
         engines[name].cache_manager.batch_decode = batched
     vocab = probe.spec.vocab_size
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, vocab, size=args.prompt_tokens).tolist() for _ in range(args.batch)]
     started, rows = time.time(), []
     for output_tokens in args.output_tokens:
-        times: dict[str, list[float]] = {name: [] for name in table}
-        for repetition in range(args.repetitions + 1):  # the first is a warm-up, not counted
-            for name, engine in engines.items():
-                sampling = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
-                requests = [GenerationRequest(f"{repetition}-{row}", prompt, sampling, table[name][0])
-                            for row, prompt in enumerate(prompts)]
-                start = time.perf_counter()
-                engine.generate(requests)
-                if repetition:
-                    times[name].append(time.perf_counter() - start)
+        sampling = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
+        ids = itertools.count()
+
+        def run(name: str) -> Callable[[], object]:
+            return lambda: engines[name].generate([GenerationRequest(f"{name}-{next(ids)}", prompt, sampling, table[name][0])
+                                                   for prompt in prompts])
+
+        times = {name: seconds for name, (_, seconds) in medians({name: run(name) for name in engines}, args.repetitions,
+                                                                   warmup=1).items()}
         full = statistics.median(times["full"])
         for name, samples in times.items():
             median = statistics.median(samples)
@@ -84,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         "compression": None if args.budget else args.compression, "budget": args.budget, "min_chunk": args.min_chunk, "repetitions": args.repetitions, "rows": rows,
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "policy_overhead.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out_dir / "policy_overhead.json").write_text(json.dumps(stamp(report), indent=2) + "\n")
     lines = [
         f"Measured {report['measured']} on {report['machine']} (load average {report['load_average'][0]:.1f}); "
         f"model {args.model}; {args.batch} prompts of {args.prompt_tokens} tokens; kvpop at "

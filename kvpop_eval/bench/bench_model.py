@@ -1,6 +1,6 @@
 """A randomly initialised Llama of realistic shape for the speed harness (random weights: speed only).
 
-    python -m benchmarks.bench_model --out DIR      # writes DIR/hf (HF model) and DIR/onnx (exported)
+    python -m kvpop_eval.bench.bench_model --out DIR      # writes DIR/hf (HF model) and DIR/onnx (exported)
 
 Why not the tiny test model: at hidden 64 the per-step numpy bookkeeping dominates and no cache
 policy can show a speed difference. Why random weights: decode cost does not depend on weight values.
@@ -47,7 +47,7 @@ def build_bench_llama(output_dir: Path, seed: int = 0) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_model", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kvpop_eval.bench.bench_model", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     from export.pipeline import export_model

@@ -1,10 +1,10 @@
 """Service benchmark (a program, not a test): the real tritonserver vs the classic design, end to end.
 
-    python -m benchmarks.bench_service --model build/bench/reference --hf-model models/reference \
+    python -m kvpop_eval.bench.service --model build/bench/reference --hf-model models/reference \
         --out-dir build/results/service-reference              # make bench-service
 
 Starts the real server (kvpop.serving.launcher.TritonServer, CPU config) on the exported model, and
-the classic design (benchmarks/classic_server.py: FastAPI + Hugging Face `generate`, full cache,
+the classic design (kvpop_eval/bench/classic_server.py: FastAPI + Hugging Face `generate`, full cache,
 dynamic batcher) on the same weights, then measures with closed-loop clients, every cell once per
 repetition and repetitions interleaved (rep 1 of every cell, then rep 2, ...), so a slow minute of a
 shared machine hits every system alike:
@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+from kvpop_eval.provenance import stamp
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ("full", "kvpop", "classic")
@@ -238,7 +239,7 @@ def start_classic(hf_model: Path, max_batch: int, log: Path, dtype: str):
 
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.classic_server", "--model", str(hf_model), "--port", str(port),
+        [sys.executable, "-m", "kvpop_eval.bench.classic_server", "--model", str(hf_model), "--port", str(port),
          "--max-batch", str(max_batch), "--threads", str(os.cpu_count() or 2), "--device", "auto", "--dtype", dtype],
         cwd=REPO_ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
     )
@@ -488,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     ratios(report)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "service.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out_dir / "service.json").write_text(json.dumps(stamp(report), indent=2) + "\n")
     text = markdown(report)
     (args.out_dir / "service.md").write_text(text)
     plot(report, args.out_dir)

@@ -1,6 +1,6 @@
 """The bounded cache's steady decode step, engine alone and through the real server (a program, not a test).
 
-    python -m benchmarks.steady_decode --model model_repository/kvpop_engine/1 --budget 922 \
+    python -m kvpop_eval.bench.steady_decode --model model_repository/kvpop_engine/1 --budget 922 \
         --out build/results/steady/steady_decode.json
 
 Workload (b) spends nearly all its time in one state: every stream's kvpop cache is full (`--budget`
@@ -26,16 +26,18 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.profile_engine import CALLS, DECODER_TIMER, TIMERS, instrument, prompt
+from kvpop_eval.bench.profile_engine import CALLS, DECODER_TIMER, TIMERS, instrument, prompt
 from kvpop.decoder import DecoderStep
-from kvpop.engine import CacheConfig, Engine, GenerationRequest, SamplingParams, load_learned_scorers
+from kvpop.engine import CacheConfig, GenerationRequest, SamplingParams
+from kvpop_eval.engine_factory import build_engine
 from kvpop.model_spec import ModelSpec
+from kvpop_eval.provenance import stamp
 
 STRETCH = 250  # tokens per row of the server's gap table
 
 
 def engine_steady(model: Path, budget: int, streams: int, prompt_tokens: int, fill: int, steps: int, scorer: str) -> dict:
-    engine = Engine(DecoderStep(model), max_batch_size=streams, learned_scorers=load_learned_scorers(model))
+    engine = build_engine(model, decoder=DecoderStep(model), max_batch_size=streams)
     instrument(engine)
     rng = np.random.default_rng(0)
     for index in range(streams):
@@ -64,7 +66,7 @@ def engine_steady(model: Path, budget: int, streams: int, prompt_tokens: int, fi
 
 
 def server_steady(model: Path, budget: int, streams: int, prompt_tokens: int, tokens: int) -> dict:
-    from benchmarks.bench_service import prompts, start_triton
+    from kvpop_eval.bench.service import prompts, start_triton
     from kvpop_client import KVpopClient
 
     scratch = Path(tempfile.mkdtemp(prefix="steady-decode-"))
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{stretch['gap_ms_median']:.1f} ms, mean {stretch['gap_ms_mean']:.1f} ms")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        args.out.write_text(json.dumps(stamp(report), indent=2) + "\n")
     return 0
 
 

@@ -1,10 +1,10 @@
 """Speed harness (a program, not a test): decode speed and memory of the engine vs Hugging Face.
 
-    python -m benchmarks.speed --out-dir build/results/speed  # builds + exports a random Llama of
-                                                               # realistic shape (benchmarks/bench_model.py)
-    python -m benchmarks.speed --model ONNX_DIR --hf-model HF_DIR --out-dir DIR
-    python -m benchmarks.speed --quick --out-dir /tmp/speed    # tiny random model, seconds (plumbing)
-    python -m benchmarks.speed --model ONNX_DIR --hf-model HF_DIR --extra-policies kvpop:mlstm,kvpop:mlp \
+    python -m kvpop_eval.bench.decoder --out-dir build/results/speed  # builds + exports a random Llama of
+                                                               # realistic shape (kvpop_eval/bench/bench_model.py)
+    python -m kvpop_eval.bench.decoder --model ONNX_DIR --hf-model HF_DIR --out-dir DIR
+    python -m kvpop_eval.bench.decoder --quick --out-dir /tmp/speed    # tiny random model, seconds (plumbing)
+    python -m kvpop_eval.bench.decoder --model ONNX_DIR --hf-model HF_DIR --extra-policies kvpop:mlstm,kvpop:mlp \
         --untrained-scorers-dir build/speed-x                  # learned scorers (see 3. below)
 
 1. Decode latency per step and tokens/s vs context length for `full` vs fixed budgets (each bounded
@@ -59,9 +59,11 @@ from kvpop.cache.decode_batch import batch_group
 from kvpop.cache.manager import Allocation, append_output
 from kvpop.decoder import DecoderStep
 from kvpop.engine import CacheConfig, Engine, GenerationRequest, SamplingParams, _Sequence, load_learned_scorers
+from kvpop_eval.engine_factory import build_engine
 from kvpop.policies.scorers import TokenScorer
 from kvpop.sampling import Sampler
 from kvpop.scorer import LEARNED_SCORER_KINDS
+from kvpop_eval.provenance import stamp
 
 FULL_RUN = dict(
     contexts=(512, 1024, 2048, 4096, 8192, 16384),
@@ -150,7 +152,7 @@ def prefill_snapshots(decoder: DecoderStep, cache: CacheConfig, prompt: list[int
 
 def check_snapshot(decoder: DecoderStep, cache: CacheConfig, prompt: list[int], snapshot, prefill_chunk: int, learned_scorers: dict) -> float:
     """The snapshot equals what Engine._prefill leaves for the same prompt (max |key diff|)."""
-    engine = Engine(decoder, max_batch_size=1, prefill_chunk=prefill_chunk, learned_scorers=learned_scorers)
+    engine = build_engine(decoder=decoder, max_batch_size=1, prefill_chunk=prefill_chunk, learned_scorers=learned_scorers)
     sequence = engine._prefill(GenerationRequest("check", prompt, SamplingParams(max_tokens=1), cache))
     mine, theirs = snapshot[0], sequence.cache
     assert mine.length == theirs.length and mine.tokens_seen == theirs.tokens_seen
@@ -244,7 +246,8 @@ def time_point(decoder, snapshots: dict, configs: dict, hf_model, prompt, batch:
     load from other processes on a shared machine hits all systems alike."""
     engines = {}
     for name, cache in configs.items():
-        engine = SnapshotEngine(decoder, max_batch_size=batch, snapshot=snapshots[name], learned_scorers=learned_scorers)
+        engine = build_engine(decoder=decoder, engine_class=SnapshotEngine, max_batch_size=batch, snapshot=snapshots[name],
+                              learned_scorers=learned_scorers)
         sampling = SamplingParams(max_tokens=warmup + steps + block + 2, ignore_eos=True)
         for index in range(batch):
             engine.add_request(GenerationRequest(f"b{index}", [3], sampling, cache))
@@ -314,7 +317,7 @@ def _memory_worker(model_dir: str, cache: CacheConfig, tokens: int, prompt_token
     import psutil
 
     decoder = DecoderStep(Path(model_dir), threads=threads)
-    engine = Engine(decoder, max_batch_size=1, learned_scorers=load_learned_scorers(Path(model_dir)) if cache.learned_scorer else None)
+    engine = build_engine(model_dir if cache.learned_scorer else None, decoder=decoder, max_batch_size=1)
     prompt = random_prompt(decoder.spec.vocab_size, prompt_tokens)
     engine.add_request(GenerationRequest("m", prompt, SamplingParams(max_tokens=tokens, ignore_eos=True), cache))
     process, samples, generated = psutil.Process(), [], 0
@@ -340,7 +343,7 @@ def measure_memory(model_dir: Path, cache: CacheConfig, tokens: int, threads: in
 
 # -- learned scorers -------------------------------------------------------------------------------
 
-UNTRAINED = "untrained: initialised (seed 0) by benchmarks.speed for timing only"
+UNTRAINED = "untrained: initialised (seed 0) by kvpop_eval.bench.decoder for timing only"
 
 
 def scratch_model_dir(model_dir: Path, scratch: Path, kinds: set[str], window: int) -> Path:
@@ -547,7 +550,7 @@ def prepare_model(work: Path, quick: bool) -> tuple[Path, Path]:
 
         hf_dir = build_tiny_llama(work / "hf")
     else:
-        from benchmarks.bench_model import build_bench_llama
+        from kvpop_eval.bench.bench_model import build_bench_llama
 
         hf_dir = build_bench_llama(work / "hf")
     export_model(hf_dir, work / "onnx")
@@ -555,8 +558,8 @@ def prepare_model(work: Path, quick: bool) -> tuple[Path, Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.speed", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, help="exported model directory (default: build benchmarks/bench_model.py's random Llama)")
+    parser = argparse.ArgumentParser(prog="python -m kvpop_eval.bench.decoder", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, help="exported model directory (default: build kvpop_eval/bench/bench_model.py's random Llama)")
     parser.add_argument("--hf-model", type=Path, help="the Hugging Face directory it was exported from")
     parser.add_argument("--quick", action="store_true", help="tiny random model, short contexts: checks the plumbing")
     parser.add_argument("--contexts", help="comma-separated context lengths (multiples of the prefill chunk)")
@@ -682,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
     report["speedups_at_8k"] = speedup_lines(report)
     report["kvpop_overhead_at_8k"] = overhead_lines(report)
     report["wall_s"] = time.perf_counter() - began
-    (args.out_dir / "speed.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out_dir / "speed.json").write_text(json.dumps(stamp(report), indent=2) + "\n")
     (args.out_dir / "speed.partial.json").unlink(missing_ok=True)
     plot(report, args.out_dir)
     print("\n".join(report["speedups_at_8k"] + report["kvpop_overhead_at_8k"]))

@@ -2,7 +2,7 @@
 cache and a simple dynamic batcher (collect what arrives within `--max-wait-ms`, up to `--max-batch`,
 left-pad, one `generate` call, answer everyone). Not part of the service.
 
-    python -m benchmarks.classic_server --model models/reference --port 8100
+    python -m kvpop_eval.bench.classic_server --model models/reference --port 8100
 
 POST /generate {"input_ids": [...], "max_tokens": 32} -> {"output_ids": [...], "batch_size": n}
 Requests batched together share one `generate` call, so each waits for the longest of its batch

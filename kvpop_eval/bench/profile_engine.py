@@ -1,6 +1,6 @@
 """Where an engine step's milliseconds go (a program, not a test): one request, and a loaded period.
 
-    python -m benchmarks.profile_engine --model build/bench/reference --out build/results/profile/profile_engine.json
+    python -m kvpop_eval.bench.profile_engine --model build/bench/reference --out build/results/profile/profile_engine.json
 
 Wraps the engine's parts in timers (the ONNX decoder call and what it copies back, the policy's
 `observe` with the learned scorer inside it, the slot cache's eviction, the batch pool's repacks,
@@ -33,9 +33,11 @@ import numpy as np
 from kvpop.cache import pool as pool_module
 from kvpop.cache import slot_cache as slot_cache_module
 from kvpop.cache.manager import CacheManager
-from kvpop.engine import CacheConfig, Engine, GenerationRequest, SamplingParams, load_learned_scorers
+from kvpop.engine import CacheConfig, Engine, GenerationRequest, SamplingParams
+from kvpop_eval.engine_factory import build_engine
 from kvpop.decoder import DecoderStep
 from kvpop.policies.kvpop import KVpopPolicy
+from kvpop_eval.provenance import stamp
 
 DECODER_TIMER = "decoder (ONNX run + outputs to host)"
 TIMERS: dict[str, float] = defaultdict(float)
@@ -202,10 +204,9 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict[str, dict] = defaultdict(dict)
     for policy in args.policies:
-        engine = Engine(
-            DecoderStep(args.model, mixed=not args.no_mixed), max_batch_size=max(16, args.reason_streams), prefill_chunk=args.prefill_chunk,
-            learned_scorers=load_learned_scorers(args.model), prefill_pacing=args.prefill_pacing or None,
-            min_bounded_chunk=args.min_chunk,
+        engine = build_engine(
+            args.model, decoder=DecoderStep(args.model, mixed=not args.no_mixed), max_batch_size=max(16, args.reason_streams),
+            prefill_chunk=args.prefill_chunk, prefill_pacing=args.prefill_pacing or None, min_bounded_chunk=args.min_chunk,
         )
         instrument(engine)
         for label, arrivals in scenarios(engine.spec.vocab_size, policy, args.reason_tokens, args.reason_streams).items():
@@ -217,9 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"model": str(args.model), "prefill_chunk": args.prefill_chunk, "prefill_pacing": args.prefill_pacing,
+        args.out.write_text(json.dumps(stamp({"model": str(args.model), "prefill_chunk": args.prefill_chunk, "prefill_pacing": args.prefill_pacing,
                                         "mixed_step": engine.decoder.has_mixed_step, "kvpop": KVPOP_SIZE,
-                                        "reason_streams": args.reason_streams, "results": results}, indent=2) + "\n")
+                                        "reason_streams": args.reason_streams, "results": results}), indent=2) + "\n")
         args.out.with_suffix(".md").write_text(text.lstrip() + "\n")
     return 0
 

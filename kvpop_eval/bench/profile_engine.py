@@ -7,7 +7,7 @@ Wraps the engine's parts in timers (the ONNX decoder call and what it copies bac
 sampling) and runs the real `Engine.step` loop:
   * one request: a 2048-token prompt, 32 greedy output tokens, alone;
   * a loaded period: 8 streams of 512-token prompts decoding while 4 more 2048-token prompts arrive
-    (the moment the issue measured stalls), every request 32 output tokens;
+    (the moment running streams stall behind prompt prefill), every request 32 output tokens;
   * chat: 8 short chat prompts of 100 tokens, 32 output tokens each (bench-service's (d) in the
     engine alone; a bounded cache of 16 slots, its prompt in --min-chunk pieces);
   * with --reason-tokens N: --reason-streams prompts (8) of 512 tokens, N output tokens each

@@ -247,15 +247,15 @@ bench-sessions: setup  ## [benchmark] TTFT per turn of a 10-turn conversation, s
 	$(PY) -m kvpop_eval.bench.sessions --model $(SESSION_MODEL) --out-dir $(RESULTS_OUT)/sessions
 
 bench-steady: setup  ## workload (b)'s steady state on SmolLM2 (8 full kvpop caches of 922 slots), engine alone and through the server (~5 min): build/results/steady/steady_decode.json
-	$(PY) -m kvpop_eval.bench.steady_decode --model $(SPEED_MODEL) --out $(RESULTS_OUT)/steady/steady_decode.json
+	$(PY) -m kvpop_eval.bench.engine steady --model $(SPEED_MODEL) --out $(RESULTS_OUT)/steady/steady_decode.json
 
 bench-profile: setup  ## where an engine step's milliseconds go, one request and a loaded period: build/results/profile/
 	@test -f $(BENCH_MODEL)/model_spec.json || $(PY) -m export --model $(BENCH_HF) --output $(BENCH_MODEL)
-	$(PY) -m kvpop_eval.bench.profile_engine --model $(BENCH_MODEL) --out $(RESULTS_OUT)/profile/profile_engine.json
+	$(PY) -m kvpop_eval.bench.engine profile --model $(BENCH_MODEL) --out $(RESULTS_OUT)/profile/profile_engine.json
 
 bench-overhead: setup  ## kvpop's own cost per token in the engine: full vs kvpop scorers, vectorised decode on / off: build/results/overhead/
 	@test -f $(BENCH_MODEL)/model_spec.json || $(PY) -m export --model $(BENCH_HF) --output $(BENCH_MODEL)
-	$(PY) -m kvpop_eval.bench.policy_overhead --model $(BENCH_MODEL) --out-dir $(RESULTS_OUT)/overhead
+	$(PY) -m kvpop_eval.bench.engine overhead --model $(BENCH_MODEL) --out-dir $(RESULTS_OUT)/overhead
 
 loadtest: setup  ## [benchmark] locust against a running server (make serve-bg first): USERS, DURATION, PROTOCOL=http|grpc; build/results/loadtest/
 	@mkdir -p build/results/loadtest

@@ -23,6 +23,7 @@ import time
 import urllib.request
 from pathlib import Path
 from kvpop_eval.provenance import stamp
+from kvpop_eval.timing import interleaved
 
 SYSTEMS = {"full": {"eviction_policy": "full"}, "kvpop-88": {"eviction_policy": "kvpop", "compression_ratio": 0.88}}
 MODEL = "kvpop_engine"
@@ -74,13 +75,12 @@ def route_overhead(args: argparse.Namespace) -> dict:
                    "ignore_eos": True}
     routes = {"openai": (args.openai_url + "/v1/chat/completions", openai_body),
               "generate_stream": (f"{args.triton_http_url}/v2/models/{MODEL}/generate_stream", triton_body)}
-    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in routes}
     print(f"[bench-openai] route overhead: {args.overhead_requests} requests per route, interleaved", flush=True)
-    for _ in range(args.overhead_requests):
-        for name, (url, body) in routes.items():
-            samples[name].append(sse_request(url, body))
-    medians = {name: {"ttft_ms": 1000 * statistics.median(s[0] for s in values),
-                      "latency_ms": 1000 * statistics.median(s[1] for s in values)} for name, values in samples.items()}
+    samples = interleaved({name: lambda url=url, body=body: sse_request(url, body) for name, (url, body) in routes.items()},
+                          args.overhead_requests, alternate=False)
+    medians = {name: {"ttft_ms": 1000 * statistics.median(ttft for _, (ttft, _) in values),
+                      "latency_ms": 1000 * statistics.median(latency for _, (_, latency) in values)}
+               for name, values in samples.items()}
     return {
         "requests_per_route": args.overhead_requests,
         "output_tokens": args.output_tokens,

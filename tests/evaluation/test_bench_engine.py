@@ -1,10 +1,10 @@
-"""kvpop_eval.bench.steady_decode on the tiny exported model: the timed steps run with every cache full."""
+"""kvpop_eval.bench.engine steady on the tiny exported model: the timed steps run with every cache full."""
 
 from __future__ import annotations
 
 import json
 
-from kvpop_eval.bench import steady_decode
+from kvpop_eval.bench.engine import steady as steady_decode
 
 
 def test_steady_decode_times_full_caches_and_splits_off_the_decoder(tiny_onnx_model_dir, tmp_path):

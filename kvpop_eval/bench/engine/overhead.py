@@ -1,7 +1,7 @@
 """kvpop's own cost per token in the engine (a program, not a test): full vs kvpop with each learned
 scorer, with the vectorised decode path on and off, in one run with interleaved repetitions.
 
-    python -m kvpop_eval.bench.policy_overhead --model build/bench/reference --out-dir build/results/overhead
+    python -m kvpop_eval.bench.engine overhead --model build/bench/reference --out-dir build/results/overhead
 
 Runs `Engine.generate` (no Triton) on B prompts of P random tokens generating N tokens each, every
 system once per repetition, repetitions interleaved so a busy minute of a shared machine hits every
@@ -43,7 +43,7 @@ def systems(scorers: list[str], compression: float, budget: int | None = None) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvpop_eval.bench.policy_overhead", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kvpop_eval.bench.engine overhead", description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True, help="exported model directory with learned scorers")
     parser.add_argument("--out-dir", type=Path, default=Path("build/results/overhead"))
     parser.add_argument("--batch", type=int, default=8)

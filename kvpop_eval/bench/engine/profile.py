@@ -1,6 +1,6 @@
 """Where an engine step's milliseconds go (a program, not a test): one request, and a loaded period.
 
-    python -m kvpop_eval.bench.profile_engine --model build/bench/reference --out build/results/profile/profile_engine.json
+    python -m kvpop_eval.bench.engine profile --model build/bench/reference --out build/results/profile/profile_engine.json
 
 Wraps the engine's parts in timers (the ONNX decoder call and what it copies back, the policy's
 `observe` with the learned scorer inside it, the slot cache's eviction, the batch pool's repacks,
@@ -182,7 +182,7 @@ def table(results: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kvpop_eval.bench.engine profile", description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True, help="exported model directory")
     parser.add_argument("--out", type=Path, help="JSON to write (a .md table is written beside it)")
     parser.add_argument("--prefill-chunk", type=int, default=256)

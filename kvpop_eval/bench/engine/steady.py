@@ -1,13 +1,13 @@
 """The bounded cache's steady decode step, engine alone and through the real server (a program, not a test).
 
-    python -m kvpop_eval.bench.steady_decode --model model_repository/kvpop_engine/1 --budget 922 \
+    python -m kvpop_eval.bench.engine steady --model model_repository/kvpop_engine/1 --budget 922 \
         --out build/results/steady/steady_decode.json
 
 Workload (b) spends nearly all its time in one state: every stream's kvpop cache is full (`--budget`
 slots per head) and each step appends one token per stream and evicts one. This program measures that
 state directly instead of over a two-hour run:
   * engine alone: `--streams` sequences of `--prompt-tokens` random tokens decode until their caches
-    are full (`--fill` steps), then `--steps` steps are timed, with profile_engine's timers around the
+    are full (`--fill` steps), then `--steps` steps are timed, with the profile's timers around the
     decoder call (what is left is the scorer, the eviction and sampling);
   * through the server (unless --no-server): the same sequences as streaming gRPC requests from as
     many client threads, `--server-tokens` tokens each; the token gaps per 250-token stretch show
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvpop_eval.bench.profile_engine import CALLS, DECODER_TIMER, TIMERS, instrument, prompt
+from kvpop_eval.bench.engine.profile import CALLS, DECODER_TIMER, TIMERS, instrument, prompt
 from kvpop.decoder import DecoderStep
 from kvpop.engine import CacheConfig, GenerationRequest, SamplingParams
 from kvpop_eval.engine_factory import build_engine
@@ -102,7 +102,7 @@ def server_steady(model: Path, budget: int, streams: int, prompt_tokens: int, to
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kvpop_eval.bench.engine steady", description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True, help="exported model directory")
     parser.add_argument("--budget", type=int, default=922, help="kvpop slots per head (922: 88%% of 512 + 7168)")
     parser.add_argument("--streams", type=int, default=8)

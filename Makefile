@@ -160,7 +160,7 @@ train-scorer: setup  ## train the KVpop scorers (mLSTM + MLP) for MODEL (default
 		--max-tokens $(SCORER_MAX_TOKENS) --window $(REAL_KV_WINDOW) --target-scope $(SCORER_TARGET_SCOPE) \
 		--span-pooling $(SCORER_SPAN_POOLING) --traces build/scorer-texts/traces-$(notdir $(MODEL:/=))-$(SCORER_QUESTIONS)-$(SCORER_NUM_TEXTS)x$(SCORER_MAX_TOKENS).pt --threads $(THREADS),--window $(KV_WINDOW))
 
-# English long-context benchmark (benchmarks/english_tasks.py) on the exported model (`make export`):
+# English long-context benchmark (kvpop_eval/english_tasks.py) on the exported model (`make export`):
 # every policy (or REAL_POLICIES) x compression per context length, contains-scoring, into
 # build/results/quality-real-<tokens>/.
 # 64 output tokens: a multi-value answer lists four 6-digit numbers (SmolLM2 spends a token per digit).
@@ -176,27 +176,27 @@ eval-real: setup  ## [evaluate] English RULER-like tasks (REAL_TASK_NUM per leng
 	@test -f model_repository/kvpop_engine/1/model_spec.json || { echo "no exported model: run 'make export' first"; exit 1; }
 	@for tokens in $(REAL_TASK_LENGTHS); do \
 		tasks=build/real-tasks/$(REAL_TASK_SPLIT)-$$tokens.jsonl; \
-		$(PY) -m benchmarks.english_tasks write --model $(or $(MODEL),$(REAL_MODEL)) --split $(REAL_TASK_SPLIT) \
+		$(PY) -m kvpop_eval.english_tasks write --model $(or $(MODEL),$(REAL_MODEL)) --split $(REAL_TASK_SPLIT) \
 			--context-tokens $$tokens --num $(REAL_TASK_NUM) --families $(REAL_TASK_FAMILIES) --out $$tasks && \
-		$(PY) -m kvpop.eval --model model_repository/kvpop_engine/1 --tasks $$tasks --sweep --scoring contains \
+		$(PY) -m kvpop_eval.quality --model model_repository/kvpop_engine/1 --tasks $$tasks --sweep --scoring contains \
 			--max-tokens $(REAL_MAX_TOKENS) --window $(REAL_KV_WINDOW) $(if $(REAL_POLICIES),--policies $(REAL_POLICIES)) \
 			--out-dir $(REAL_QUALITY_DIR)/quality-real-$$tokens || exit 1; \
 	done
 
 tasks: setup  ## write 200 reference tasks of TASK_SPLIT (default heldout) at TASK_TOKENS (default 2048) to build/tasks/
-	$(PY) -m kvpop.tasks write --split $(TASK_SPLIT) --num 200 --context-tokens $(TASK_TOKENS) $(if $(TASK_FACTS),--num-facts $(TASK_FACTS)) --out $(TASKS_FILE)
+	$(PY) -m kvpop_eval.tasks write --split $(TASK_SPLIT) --num 200 --context-tokens $(TASK_TOKENS) $(if $(TASK_FACTS),--num-facts $(TASK_FACTS)) --out $(TASKS_FILE)
 
 eval-sweep: tasks  ## [evaluate] every policy x compression 0-94% on the reference model, TASK_SPLIT (default heldout): build/results/quality-reference-<tokens>/
 	@test -f $(EVAL_MODEL)/model_spec.json || $(PY) -m export --model $(REFERENCE) --output $(EVAL_MODEL)
-	$(PY) -m kvpop.eval --model $(EVAL_MODEL) --tasks $(TASKS_FILE) --sweep --window $(KV_WINDOW) $(if $(EVAL_POLICIES),--policies $(EVAL_POLICIES)) --out-dir $(QUALITY_DIR)
-	@test ! -f $(KVPRESS_OUT) || $(PY) -m benchmarks.kvpress_compare merge --kvpress $(KVPRESS_OUT) --sweep-dir $(QUALITY_DIR)
+	$(PY) -m kvpop_eval.quality --model $(EVAL_MODEL) --tasks $(TASKS_FILE) --sweep --window $(KV_WINDOW) $(if $(EVAL_POLICIES),--policies $(EVAL_POLICIES)) --out-dir $(QUALITY_DIR)
+	@test ! -f $(KVPRESS_OUT) || $(PY) -m kvpop_eval.kvpress_compare merge --kvpress $(KVPRESS_OUT) --sweep-dir $(QUALITY_DIR)
 
 # NVIDIA kvpress as an outside peer, in its own environment (it pins transformers<5.3 and numpy 2).
 KVPRESS_VENV := .venv-kvpress
 KVPRESS_PY := $(KVPRESS_VENV)/bin/python
 KVPRESS_STAMP := $(KVPRESS_VENV)/.kvpress-setup
 KVPRESS_OUT ?= $(QUALITY_DIR)/kvpress.json
-KVPRESS_ARGS ?=# e.g. --scoring contains for the English tasks (as kvpop.eval --scoring)
+KVPRESS_ARGS ?=# e.g. --scoring contains for the English tasks (as kvpop_eval.quality --scoring)
 
 kvpress-env: $(KVPRESS_STAMP)  ## create .venv-kvpress for the kvpress comparison (its own pins)
 
@@ -207,15 +207,15 @@ $(KVPRESS_STAMP): requirements/kvpress.txt
 
 eval-kvpress: kvpress-env tasks  ## [evaluate] kvpress presses on MODEL (default: reference) x TASK_SPLIT, merged into the eval-sweep results
 	@test -f $(QUALITY_DIR)/sweep.json || { echo "no $(QUALITY_DIR)/sweep.json: run 'make eval-sweep' first"; exit 1; }
-	$(KVPRESS_PY) -m benchmarks.kvpress_compare run --model $(or $(MODEL),$(REFERENCE)) --tasks $(TASKS_FILE) \
+	$(KVPRESS_PY) -m kvpop_eval.kvpress_compare run --model $(or $(MODEL),$(REFERENCE)) --tasks $(TASKS_FILE) \
 		--out $(KVPRESS_OUT) $(KVPRESS_ARGS)
-	$(PY) -m benchmarks.kvpress_compare merge --kvpress $(KVPRESS_OUT) --sweep-dir $(QUALITY_DIR)
+	$(PY) -m kvpop_eval.kvpress_compare merge --kvpress $(KVPRESS_OUT) --sweep-dir $(QUALITY_DIR)
 
 speed: setup  ## [benchmark] decode speed and memory vs context length, full vs bounded vs HF generate: build/results/speed/
-	$(PY) -m benchmarks.speed --out-dir $(RESULTS_OUT)/speed
+	$(PY) -m kvpop_eval.bench.decoder --out-dir $(RESULTS_OUT)/speed
 
 speed-quick: setup  ## the speed harness on a tiny model, in seconds (plumbing)
-	$(PY) -m benchmarks.speed --quick --out-dir build/speed-quick
+	$(PY) -m kvpop_eval.bench.decoder --quick --out-dir $(RESULTS_OUT)/speed-quick
 
 # The real model (SmolLM2-135M-Instruct as `make export` wrote it): contexts to 8k (8064: the engine
 # stops a sequence at the model's 8192 positions, and the timed steps need room), batch 1 and 8, full
@@ -227,7 +227,7 @@ SPEED_REAL_ARGS ?= --contexts 1024,2048,4096,8064 --prefill-chunk 128 --budgets 
 	--policies streaming --extra-policies kvpop:mlstm,kvpop:mlp --decode-steps 24 --memory-tokens 0 --threads 1
 
 speed-real: setup  ## [benchmark] decode speed on SmolLM2's export to 8k, batch 1 and 8, incl. the learned scorers' per-step cost: build/results/speed-smollm2/
-	$(PY) -m benchmarks.speed --model $(SPEED_MODEL) --hf-model $(REAL_MODEL) --untrained-scorers-dir build/speed-smollm2 \
+	$(PY) -m kvpop_eval.bench.decoder --model $(SPEED_MODEL) --hf-model $(REAL_MODEL) --untrained-scorers-dir build/speed-smollm2 \
 		--scorer-window $(REAL_KV_WINDOW) $(SPEED_REAL_ARGS) --out-dir $(RESULTS_OUT)/speed-smollm2
 
 # The service benchmark runs the shipped reference model by default (exported into build/, not into
@@ -239,23 +239,23 @@ bench-service: setup  ## [benchmark] the real server (full, kvpop at 88%) vs Fas
 	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements/constraints.txt -r requirements/bench.txt
 	@test -f $(BENCH_MODEL)/model_spec.json || $(PY) -m export --model $(BENCH_HF) --output $(BENCH_MODEL)
 	@test -f $(BENCH_MODEL)/decoder_step.last.onnx || $(PY) -m export.step_variants $(BENCH_MODEL)
-	$(PY) -m benchmarks.bench_service --model $(BENCH_MODEL) --hf-model $(BENCH_HF) --out-dir $(RESULTS_OUT)/service-$(notdir $(BENCH_MODEL:/=)) $(BENCH_ARGS)
+	$(PY) -m kvpop_eval.bench.service --model $(BENCH_MODEL) --hf-model $(BENCH_HF) --out-dir $(RESULTS_OUT)/service-$(notdir $(BENCH_MODEL:/=)) $(BENCH_ARGS)
 
 SESSION_MODEL ?= build/reference-export
 bench-sessions: setup  ## [benchmark] TTFT per turn of a 10-turn conversation, sessions vs resending the whole history: build/results/sessions/
 	@test -f $(SESSION_MODEL)/model_spec.json || $(PY) -m export --model $(REFERENCE) --output $(SESSION_MODEL)
-	$(PY) -m benchmarks.session_ttft --model $(SESSION_MODEL) --out-dir $(RESULTS_OUT)/sessions
+	$(PY) -m kvpop_eval.bench.sessions --model $(SESSION_MODEL) --out-dir $(RESULTS_OUT)/sessions
 
 bench-steady: setup  ## workload (b)'s steady state on SmolLM2 (8 full kvpop caches of 922 slots), engine alone and through the server (~5 min): build/results/steady/steady_decode.json
-	$(PY) -m benchmarks.steady_decode --model $(SPEED_MODEL) --out $(RESULTS_OUT)/steady/steady_decode.json
+	$(PY) -m kvpop_eval.bench.engine steady --model $(SPEED_MODEL) --out $(RESULTS_OUT)/steady/steady_decode.json
 
 bench-profile: setup  ## where an engine step's milliseconds go, one request and a loaded period: build/results/profile/
 	@test -f $(BENCH_MODEL)/model_spec.json || $(PY) -m export --model $(BENCH_HF) --output $(BENCH_MODEL)
-	$(PY) -m benchmarks.profile_engine --model $(BENCH_MODEL) --out $(RESULTS_OUT)/profile/profile_engine.json
+	$(PY) -m kvpop_eval.bench.engine profile --model $(BENCH_MODEL) --out $(RESULTS_OUT)/profile/profile_engine.json
 
 bench-overhead: setup  ## kvpop's own cost per token in the engine: full vs kvpop scorers, vectorised decode on / off: build/results/overhead/
 	@test -f $(BENCH_MODEL)/model_spec.json || $(PY) -m export --model $(BENCH_HF) --output $(BENCH_MODEL)
-	$(PY) -m benchmarks.policy_overhead --model $(BENCH_MODEL) --out-dir $(RESULTS_OUT)/overhead
+	$(PY) -m kvpop_eval.bench.engine overhead --model $(BENCH_MODEL) --out-dir $(RESULTS_OUT)/overhead
 
 loadtest: setup  ## [benchmark] locust against a running server (make serve-bg first): USERS, DURATION, PROTOCOL=http|grpc; build/results/loadtest/
 	@mkdir -p build/results/loadtest
@@ -274,7 +274,7 @@ $(AIPERF_STAMP): requirements/aiperf.txt
 	@touch $@
 
 bench-openai: setup $(AIPERF_STAMP)  ## [benchmark] AIPerf on the OpenAI API (full vs kvpop 88%) + the route's overhead vs generate_stream, on a running server (make serve-bg): build/results/openai/
-	$(PY) -m benchmarks.openai_bench --aiperf $(AIPERF_VENV)/bin/aiperf --openai-url http://$(HOST):$(OPENAI_PORT) \
+	$(PY) -m kvpop_eval.bench.openai --aiperf $(AIPERF_VENV)/bin/aiperf --openai-url http://$(HOST):$(OPENAI_PORT) \
 		--triton-http-url http://$(HOST):$(HTTP_PORT) --out-dir build/results/openai $(BENCH_OPENAI_ARGS)
 
 # Deployment (deploy/, README "Deploying"). Images need a Docker engine; the rest runs here.

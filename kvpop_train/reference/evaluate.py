@@ -3,7 +3,7 @@
     python -m kvpop_train.reference.evaluate [--model models/reference] [--lengths 512 1024 2048]
         [--num 200] [--compression 0.88] [--tasks FILE.jsonl] [--onnx EXPORTED_DIR]
 
-The same harness as every other accuracy figure (`kvpop.eval`): the model is exported to ONNX (or
+The same harness as every other accuracy figure (`kvpop_eval.quality`): the model is exported to ONNX (or
 --onnx names an export) and run by the engine, with the engine's StreamingLLM policy. For every
 context length it generates the test split (or reads --tasks), and prints and saves the accuracies as
 JSON and a plot under --out; the model card is rewritten with them. StreamingLLM's budget is the
@@ -21,9 +21,11 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from kvpop.decoder import DecoderStep
-from kvpop.engine import CacheConfig, Engine
-from kvpop.eval import evaluate, load_tasks
-from kvpop.tasks import TaskConfig, generate_task
+from kvpop.engine import Engine
+from kvpop.request import CacheConfig
+from kvpop_eval.quality import load_tasks
+from kvpop_eval.quality.harness import evaluate
+from kvpop_eval.tasks import TaskConfig, generate_task
 from kvpop_train.reference.checkpoint import SUMMARY_FILE
 from kvpop_train.reference.model_card import render_card
 
@@ -100,14 +102,14 @@ def main(argv: list[str] | None = None) -> int:
 
             onnx_dir = Path(scratch) / "onnx"
             export_model(args.model, onnx_dir)
-        engine = Engine(DecoderStep(onnx_dir, threads=args.threads), AutoTokenizer.from_pretrained(onnx_dir / "tokenizer"))
+        engine = Engine(DecoderStep(onnx_dir, threads=args.threads), tokenizer=AutoTokenizer.from_pretrained(onnx_dir / "tokenizer"))
         start = time.monotonic()
         results = [evaluate_records(engine, records, args, label) for label, records in load_records(args).items()]
     summary_path = args.model / SUMMARY_FILE
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
     evaluation = {
         "model": str(args.model),
-        "harness": "kvpop.eval (ONNX export, engine policies full and streaming)",
+        "harness": "kvpop_eval.quality (ONNX export, engine policies full and streaming)",
         "trained_step": summary["step"] if summary else None,
         "compression": args.compression,
         "keep_fraction": 1 - args.compression,

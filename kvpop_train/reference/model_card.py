@@ -6,7 +6,7 @@ accuracy table, so the card never states a number that was not measured.
 
 from __future__ import annotations
 
-from kvpop.tasks import TaskConfig, generate_task
+from kvpop_eval.tasks import TaskConfig, generate_task
 from kvpop_train.reference.curriculum import STAGES
 
 
@@ -17,7 +17,7 @@ def render_card(summary: dict, evaluation: dict | None = None) -> str:
         "# KVpop reference model",
         "",
         "A small `LlamaForCausalLM` trained from scratch on the KVpop long-context multi-step arithmetic",
-        "tasks (`kvpop.tasks`), so that KV-cache eviction can be measured on a model that really reads",
+        "tasks (`kvpop_eval.tasks`), so that KV-cache eviction can be measured on a model that really reads",
         "its context. Reproduce with `make reference-model` (resumes from `models/reference/checkpoint/`);",
         "measure with `make eval-reference`.",
         "",
@@ -84,7 +84,7 @@ def render_card(summary: dict, evaluation: dict | None = None) -> str:
         lines += [
             f"StreamingLLM keeps the first {evaluation['sink_tokens']} tokens and the most recent ones, "
             f"{evaluation['keep_fraction']:.0%} of the prompt plus max_tokens ({1 - evaluation['keep_fraction']:.0%} "
-            "compression; the engine's policy, measured by kvpop.eval).",
+            "compression; the engine's policy, measured by kvpop_eval.quality).",
             "",
             "| context tokens | tasks | full cache | StreamingLLM |",
             "|---|---|---|---|",

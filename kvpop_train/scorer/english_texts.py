@@ -5,7 +5,7 @@
 Contexts are the docstrings of CPython's standard library modules (every module, class and function
 docstring of a module, in source order), read with `ast` from the interpreter's own files: English
 prose about many topics, identical on every machine. `pydoc_data` is left out: it is the haystack of
-the English benchmark (benchmarks/english_tasks.py), and none of the benchmark's task families
+the English benchmark (kvpop_eval/english_tasks.py), and none of the benchmark's task families
 (pass keys, magic numbers, variable chains, generated people) appear here.
 
 Each context is continued by generic recall questions about sentences spread over it ("Which sentence

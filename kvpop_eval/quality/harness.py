@@ -1,0 +1,117 @@
+"""The engine under one policy and budget on a task list, and every policy x compression (a sweep)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+from kvpop.engine import Engine
+from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
+from kvpop_eval.provenance import stamp
+from kvpop_eval.quality.report import markdown_table, plot_sweep, summary_row
+from kvpop_eval.quality.tasks_io import encode, scorer
+
+
+def evaluate(
+    engine: Engine, tasks: list[dict], cache: CacheConfig, max_tokens: int, scoring: str = "final_answer"
+) -> dict:
+    """Run every task greedily under `cache`; return the report (summary + one row per task)."""
+    tokenizer, is_correct = engine.tokenizer, scorer(scoring)
+    requests = [
+        GenerationRequest(f"task-{index}", encode(tokenizer, task["prompt"]), SamplingParams(max_tokens=max_tokens), cache)
+        for index, task in enumerate(tasks)
+    ]
+    start = time.perf_counter()
+    results = engine.generate(requests)
+    seconds = time.perf_counter() - start
+    rows = []
+    for task, result in zip(tasks, results):
+        text = tokenizer.decode(result.output_ids, skip_special_tokens=True)
+        rows.append({
+            "index": task.get("index", len(rows)),
+            "answer": str(task["answer"]),
+            "generated": text,
+            "correct": bool(is_correct(text, task["answer"])),
+            "prompt_tokens": len(result.prompt_ids),
+            "output_tokens": len(result.output_ids),
+            "budget": result.budget,
+            "compression": result.compression,
+            "peak_kv_bytes": result.peak_kv_bytes,
+        })
+    count = len(rows)
+    policy = cache.build_policy(engine.learned_scorers)
+    return {
+        "policy": cache.policy,
+        "scorer": cache.scorer if cache.policy == "kvpop" else None,
+        "budget": cache.budget,
+        "compression_target": cache.compression,
+        "sinks": cache.sinks,
+        "window": cache.window,
+        "scoring": scoring,
+        "tasks": count,
+        "accuracy": sum(row["correct"] for row in rows) / count,
+        "compression_achieved": sum(row["compression"] for row in rows) / count,
+        "mean_budget": sum(row["budget"] for row in rows) / count,
+        "max_peak_kv_bytes": max(row["peak_kv_bytes"] for row in rows),
+        # prompts prefilled whole, then evicted (Engine whole_prompt_tokens): they held all their keys meanwhile
+        "prefilled_whole": sum(engine.scheduler.prefills_whole(policy, row["budget"] if policy.evicts else None, row["prompt_tokens"])
+                               for row in rows),
+        "generated_tokens_per_s": sum(row["output_tokens"] for row in rows) / seconds,
+        "seconds": seconds,
+        "rows": rows,
+    }
+
+
+def sweep(
+    engine: Engine,
+    tasks: list[dict],
+    out_dir: Path,
+    policies: list[str],
+    compressions: tuple[float, ...],
+    max_tokens: int,
+    scoring: str,
+    sinks: int,
+    window: int,
+    tasks_file: Path | None = None,
+    run_full: bool = True,
+) -> list[dict]:
+    """Every policy x compression. At 0% nothing is evicted, so every policy IS the full cache:
+    full runs once and stands for all of them there. Without `run_full` (rows to merge into a sweep
+    that has the full cache, `--merge`) only the listed policies run and only sweep.json is written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    header = stamp({"tasks": len(tasks), "scoring": scoring, "tasks_file": str(tasks_file) if tasks_file else None,
+                    "tasks_sha256": hashlib.sha256(Path(tasks_file).read_bytes()).hexdigest() if tasks_file else None})
+
+    def save(complete: bool) -> None:  # after every run: a long sweep cut short keeps what it measured
+        (out_dir / "sweep.json").write_text(json.dumps({**header, "complete": complete, "results": summary}, indent=2) + "\n")
+        if run_full:
+            (out_dir / "sweep.md").write_text(markdown_table(summary, compressions))
+
+    summary: list[dict] = []
+    if run_full:
+        full = evaluate(engine, tasks, CacheConfig(policy="full", sinks=sinks, window=window), max_tokens, scoring)
+        summary.append(summary_row(full, "full", 0.0))
+        save(False)
+        print(f"full: accuracy {full['accuracy']:.3f} ({full['seconds']:.0f} s)", flush=True)
+    for policy in policies:
+        if policy == "full":
+            continue
+        for ratio in compressions:
+            if ratio == 0.0:
+                if run_full:
+                    summary.append({**summary_row(full, policy, 0.0), "note": "no eviction at 0%: the full cache"})
+                continue
+            name, _, scorer_name = policy.partition(":")
+            config = CacheConfig(policy=name, compression=ratio, sinks=sinks, window=window,
+                                 scorer=scorer_name or "accumulated_attention")
+            report = evaluate(engine, tasks, config, max_tokens, scoring)
+            summary.append(summary_row(report, policy, ratio))
+            save(False)
+            print(f"{policy} @ {ratio:.0%}: accuracy {report['accuracy']:.3f} ({report['seconds']:.0f} s)", flush=True)
+    save(True)
+    if run_full:
+        plot_sweep(summary, out_dir / "accuracy_vs_compression.png")
+    return summary
+

@@ -1,0 +1,152 @@
+"""Sweep results as tables and a plot, and several sweeps merged into one (pure Python + matplotlib)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from kvpop_eval.provenance import stamp
+
+
+def merge_sweeps(sweep_dirs: list[Path], out_dir: Path) -> list[dict]:
+    """One sweep from several run on the SAME tasks (say, the heuristics first and the learned scorers
+    once trained): the first sweep's full-cache row, every other policy's rows in the given order
+    (a later sweep's row replaces an earlier one), runtimes summed into the header."""
+    sweeps = [json.loads((Path(folder) / "sweep.json").read_text()) for folder in sweep_dirs]
+    digests = {sweep["tasks_sha256"] for sweep in sweeps}
+    if len(digests) != 1 or None in digests:
+        raise ValueError(f"sweeps of different (or unnamed) task files cannot be merged: {sorted(map(str, digests))}")
+    rows: dict[tuple[str, float], dict] = {}
+    for index, sweep in enumerate(sweeps):
+        for row in sweep["results"]:
+            if row["policy"] == "full" and index:
+                continue
+            rows[(row["policy"], row["compression"])] = row
+    full = rows[("full", 0.0)]
+    for policy in dict.fromkeys(policy for policy, _ in rows):  # a --skip-full sweep's rows have no 0% cell
+        if (policy, 0.0) not in rows:
+            rows[(policy, 0.0)] = {**full, "policy": policy, "note": "no eviction at 0%: the full cache"}
+    order = list(dict.fromkeys(policy for policy, _ in rows))
+    summary = sorted(rows.values(), key=lambda row: (order.index(row["policy"]), row["compression"]))
+    compressions = tuple(sorted({row["compression"] for row in summary}))
+    header = {key: sweeps[0][key] for key in ("tasks", "scoring", "tasks_file", "tasks_sha256")}
+    header["merged_from"] = [str(folder) for folder in sweep_dirs]
+    header = stamp(header)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "sweep.json").write_text(json.dumps({**header, "results": summary}, indent=2) + "\n")
+    (out_dir / "sweep.md").write_text(markdown_table(summary, compressions))
+    plot_sweep(summary, out_dir / "accuracy_vs_compression.png")
+    return summary
+
+
+def summary_row(report: dict, policy: str, ratio: float) -> dict:
+    keys = ("accuracy", "compression_achieved", "mean_budget", "max_peak_kv_bytes", "generated_tokens_per_s", "tasks", "seconds",
+            "prefilled_whole")
+    # One character per task, in task order, so any two rows can be compared task by task.
+    correct = "".join("1" if row["correct"] else "0" for row in report["rows"])
+    return {"policy": policy, "compression": ratio, **{key: report[key] for key in keys}, "correct_by_task": correct}
+
+
+def wilson_interval(successes: int, count: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a binomial proportion (sound near 0 and 1, unlike the normal one)."""
+    if count == 0:
+        return 0.0, 1.0
+    p = successes / count
+    center = (p + z * z / (2 * count)) / (1 + z * z / count)
+    half = z * math.sqrt(p * (1 - p) / count + z * z / (4 * count * count)) / (1 + z * z / count)
+    return max(0.0, center - half), min(1.0, center + half)
+
+
+def paired_counts(correct: str, reference: str) -> tuple[int, int]:
+    """(tasks right here and wrong in `reference`, tasks wrong here and right in `reference`)."""
+    if len(correct) != len(reference):
+        raise ValueError(f"rows cover {len(correct)} and {len(reference)} tasks")
+    wins = sum(a == "1" and b == "0" for a, b in zip(correct, reference))
+    losses = sum(a == "0" and b == "1" for a, b in zip(correct, reference))
+    return wins, losses
+
+
+def markdown_table(summary: list[dict], compressions: tuple[float, ...]) -> str:
+    accuracy = {(row["policy"], row["compression"]): row["accuracy"] for row in summary}
+    full = accuracy[("full", 0.0)]
+    lines = [
+        "| policy | " + " | ".join(f"{ratio:.0%}" for ratio in compressions) + " |",
+        "|---|" + "---|" * len(compressions),
+        "| full | " + " | ".join(f"{full:.3f}" if ratio == 0.0 else "-" for ratio in compressions) + " |",
+    ]
+    for policy in dict.fromkeys(row["policy"] for row in summary if row["policy"] != "full"):
+        cells = [f"{accuracy[(policy, ratio)]:.3f}" if (policy, ratio) in accuracy else "-" for ratio in compressions]
+        lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+    text = "Accuracy by eviction policy and compression (1 - budget / tokens).\n\n" + "\n".join(lines) + "\n"
+    if 0.0 in compressions:
+        text += ("\nAt 0% nothing is evicted, so no row is run there: each 0% cell is the full cache's accuracy, "
+                 "copied (the engine's for engine policies; for `kvpress:` rows, the Hugging Face full cache's).\n")
+    return text + _interval_table(summary, compressions) + _runtime_table(summary, compressions)
+
+
+def _runtime_table(summary: list[dict], compressions: tuple[float, ...]) -> str:
+    """Wall seconds of each run (all its tasks, batched), where the row recorded them."""
+    timed = [row for row in summary if "seconds" in row and not row.get("note")]
+    if not timed:
+        return ""
+    seconds = {(row["policy"], row["compression"]): row["seconds"] for row in timed}
+    lines = [
+        "\nWall seconds per run (every task of the row, batched, on the machine named in the report):\n",
+        "| policy | " + " | ".join(f"{ratio:.0%}" for ratio in compressions) + " |",
+        "|---|" + "---|" * len(compressions),
+    ]
+    for policy in dict.fromkeys(row["policy"] for row in timed):
+        cells = [f"{seconds[(policy, ratio)]:.0f}" if (policy, ratio) in seconds else "-" for ratio in compressions]
+        lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _interval_table(summary: list[dict], compressions: tuple[float, ...]) -> str:
+    """Each accuracy with its 95% Wilson interval and, where the row kept per-task results, its paired
+    count against the engine's full cache (+ tasks only it solves / - tasks only the full cache solves)."""
+    rows = {(row["policy"], row["compression"]): row for row in summary}
+    full = rows[("full", 0.0)]
+    lines = [
+        "\n95% Wilson interval of each accuracy, and paired counts against the engine's full cache "
+        "(+wins / -losses: tasks only this row / only the full cache gets right):\n",
+        "| policy | " + " | ".join(f"{ratio:.0%}" for ratio in compressions) + " |",
+        "|---|" + "---|" * len(compressions),
+    ]
+    for policy in dict.fromkeys(row["policy"] for row in summary):
+        cells = []
+        for ratio in compressions:
+            row = rows.get((policy, ratio))
+            if row is None:
+                cells.append("-")
+                continue
+            low, high = wilson_interval(round(row["accuracy"] * row["tasks"]), row["tasks"])
+            cell = f"{row['accuracy']:.3f} [{low:.2f}, {high:.2f}]"
+            if ratio and "correct_by_task" in row and "correct_by_task" in full:
+                wins, losses = paired_counts(row["correct_by_task"], full["correct_by_task"])
+                cell += f" +{wins}/-{losses}"
+            cells.append(cell)
+        lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_sweep(summary: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(8, 4))
+    for policy in dict.fromkeys(row["policy"] for row in summary if row["policy"] != "full"):
+        rows = [row for row in summary if row["policy"] == policy]
+        style = ":" if policy.startswith("kvpress:") else "-"  # the outside peer, merged in by kvpress_compare
+        axes.plot([100 * row["compression"] for row in rows], [row["accuracy"] for row in rows], marker="o",
+                  linestyle=style, label=policy)
+    full = next(row["accuracy"] for row in summary if row["policy"] == "full")
+    axes.axhline(full, color="black", linestyle="--", label="full cache")
+    axes.set(xlabel="compression (%)", ylabel="accuracy", title="Accuracy vs KV compression", ylim=(-0.02, 1.02))
+    axes.legend(fontsize="small", loc="center left", bbox_to_anchor=(1, 0.5))
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+

@@ -50,7 +50,9 @@ def test_single_run_of_kvpop_uses_the_services_scorer_by_default(tiny_onnx_model
     """`auto`, as the service resolves it: the exported mLSTM when present, else the attention scorer."""
     assert resolve_scorer("auto", {"mlstm": object()}) == "mlstm"
     assert resolve_scorer("auto", {}) == "accumulated_attention"
-    assert resolve_scorer("mlp", {"mlstm": object()}) == "mlp"
+    assert resolve_scorer("mlp", {"mlp": object(), "mlstm": object()}) == "mlp"
+    with pytest.raises(ValueError):  # a learned kind the export lacks is refused, as by the service
+        resolve_scorer("mlp", {"mlstm": object()})
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text('{"prompt": "The quick brown fox", "answer": "dog"}\n')
     out = tmp_path / "kvpop.json"

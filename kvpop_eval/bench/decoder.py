@@ -282,7 +282,9 @@ def time_point(decoder, snapshots: dict, configs: dict, hf_model, prompt, batch:
             rows[name] = {**summarize(values, batch), "kv_bytes": kv_bytes}
         else:
             # Whether the decode steps took the vectorised kvpop path (kvpop.policies.kvpop.decode_batch).
-            vectorised = all(sequence.cache.policy.decode_group(sequence.cache) is not None for sequence in (engines[name].sequence(name) for name in engines[name].state().decoding))
+            engine = engines[name]
+            vectorised = all(engine.sequence(request_id).cache.policy.decode_group(engine.sequence(request_id).cache) is not None
+                             for request_id in engine.state().decoding)
             rows[name] = {**summarize(values, batch), "kv_bytes": engines[name].kv_bytes_in_use, "cache_slots": engines[name].cache_manager.pool.slots, "vectorised_decode": vectorised}
     del engines, hf_base
     gc.collect()  # a pool and its bound caches refer to each other: free them now, not at some later gc

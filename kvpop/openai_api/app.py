@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import time
@@ -200,8 +201,9 @@ async def _collect_unless_disconnected(request: Request, first: Delta, deltas: A
         while not task.done():
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if not done and await request.is_disconnected():
-                task.cancel()
-                await deltas.aclose()
+                task.cancel()  # thrown into the engine stream, whose `finally` cancels the Triton request
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
                 return None
         return task.result()
     except EngineError as error:

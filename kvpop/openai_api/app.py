@@ -89,20 +89,7 @@ def create_app(settings: Settings) -> FastAPI:
         message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request body")
         return APIError(400, message, "invalid_request_error", param).response()
 
-    @app.middleware("http")
-    async def authenticate_and_count(request: Request, call_next):
-        route = request.url.path
-        if settings.api_key and route.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            token = given[7:] if given.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), settings.api_key.encode()):
-                metrics.requests.labels(route, "401").inc()
-                return APIError(401, "missing or incorrect API key (Authorization: Bearer <key>)",
-                                "invalid_request_error", code="invalid_api_key").response()
-        response = await call_next(request)
-        if route.startswith("/v1/"):
-            metrics.requests.labels(route, str(response.status_code)).inc()
-        return response
+    app.add_middleware(AuthenticateAndCount, settings=settings, metrics=metrics)
 
     def check_model(model: str) -> None:
         if model != settings.engine_model:
@@ -165,6 +152,40 @@ def create_app(settings: Settings) -> FastAPI:
         return JSONResponse(shape.complete(text, last))
 
     return app
+
+
+class AuthenticateAndCount:
+    """Checks the API key of /v1 requests and counts them by route and status. A plain ASGI middleware:
+    Starlette's BaseHTTPMiddleware would hide a client's disconnect from the routes behind it."""
+
+    def __init__(self, app, settings: Settings, metrics: Metrics) -> None:
+        self.app, self.settings, self.metrics = app, settings, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        route = scope.get("path", "")
+        if scope["type"] != "http" or not route.startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        if self.settings.api_key:
+            given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            token = given[7:] if given.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), self.settings.api_key.encode()):
+                self.metrics.requests.labels(route, "401").inc()
+                error = APIError(401, "missing or incorrect API key (Authorization: Bearer <key>)",
+                                 "invalid_request_error", code="invalid_api_key")
+                await error.response()(scope, receive, send)
+                return
+        status = {"code": 500}
+
+        async def send_and_note_status(message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note_status)
+        finally:
+            self.metrics.requests.labels(route, str(status["code"])).inc()
 
 
 def _translate(body: ChatCompletionRequest | CompletionRequest) -> EngineRequest:

@@ -181,6 +181,27 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slots(api, metrics):
     assert metrics("kvpop_active_sequences") == 0
 
 
+def test_a_client_that_stops_waiting_for_a_complete_answer_frees_its_slots(api, metrics):
+    cancelled = metrics("kvpop_requests_total", finish_reason="cancelled")
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4000, "ignore_eos": True,
+            "eviction_policy": "streaming", "kv_budget": 64}
+    host, port = api.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    deadline = time.monotonic() + 30
+    while metrics("kvpop_active_sequences") == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)  # until the engine runs it
+    connection.close()  # the client gives up before the answer is complete
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if (metrics("kvpop_requests_total", finish_reason="cancelled") > cancelled
+                and metrics("kvpop_active_sequences") == 0):
+            break
+        time.sleep(0.2)
+    assert metrics("kvpop_requests_total", finish_reason="cancelled") == cancelled + 1
+    assert metrics("kvpop_active_sequences") == 0
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_triton_openai_frontend_request_format(triton_server, stream):
     """Exactly the tensors Triton's OpenAI frontend builds for a Python-backend model (TensorRT-LLM format)."""

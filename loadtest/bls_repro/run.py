@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import tritonclient.http as httpclient
 
-from kvpop.serving.launcher import TritonServer, free_port
+from kvpop.serving.process import TritonServer, free_port
 
 HERE = Path(__file__).parent
 

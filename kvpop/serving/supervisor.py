@@ -190,6 +190,7 @@ class Supervisor:
             self._start_server()
             for child in self.children:
                 child.start()
+            self.state = "ready"  # only once the children serve too
         except ProcessStartError as error:
             self._log(f"{error}")
             self._stop_children()
@@ -228,6 +229,7 @@ class Supervisor:
         return None
 
     def _restart_child(self, child: ChildProcess, reason: str) -> None:
+        self.state = "restarting"
         self._log(f"{reason}: restarting it")
         child.stop()
         try:
@@ -236,6 +238,7 @@ class Supervisor:
             self._log(f"restart failed: {error}")
             self.restarts.append({"reason": reason, "recovered": False})
             return
+        self.state = "ready"
         self.restarts.append({"reason": reason, "recovered": True})
 
     def _start_server(self) -> None:
@@ -244,7 +247,6 @@ class Supervisor:
         self.server.wait_ready()
         # Stubs start while models load: once the server is ready every one of them exists.
         self.stubs = stub_processes(self.server.process.pid)
-        self.state = "ready"
 
     def _restart(self, reason: str) -> None:
         started = time.monotonic()
@@ -264,6 +266,7 @@ class Supervisor:
             self._log(f"restart failed: {error}")
             self.restarts.append({"reason": reason, "recovered": False, "server_aborted": server_aborted})
             return
+        self.state = "ready"
         seconds = round(time.monotonic() - started, 1)
         self.restarts.append({"reason": reason, "recovered": True, "seconds": seconds, "server_aborted": server_aborted})
         self._log(f"recovered in {seconds} s")

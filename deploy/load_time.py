@@ -24,7 +24,7 @@ from datetime import datetime
 from pathlib import Path
 
 from deploy.nodes.rehearsal import ReplicaServer
-from kvpop.serving.launcher import free_port
+from kvpop.serving.process import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LOG_TIME = r"^[IWE](\d{4} \d\d:\d\d:\d\d\.\d+) +\d+ \S+\] "

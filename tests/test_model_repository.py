@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvpop.serving.config import ServiceConfig
-from kvpop.serving.launcher import choose_model_config
+from kvpop.serving.process import choose_model_config
 
 REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"
 SERVICE = REPOSITORY / "kvpop_engine"
@@ -63,13 +63,3 @@ def test_service_config_reads_parameters():
 def test_service_config_rejects_bad_parameters(values, message):
     with pytest.raises(ValueError, match=message):
         ServiceConfig.from_model_config(parameters(**values))
-
-
-def test_front_end_model_forwards_the_same_inputs_and_outputs():
-    """kvpop_service (BLS, complete answers) and kvpop_engine (decoupled) share one I/O contract."""
-    tensor = re.compile(r'\{ name: "(\w+)" data_type: (\w+) dims: (\[[^\]]*\])')
-    engine = set(tensor.findall((SERVICE / "config.pbtxt").read_text()))
-    front = set(tensor.findall((REPOSITORY / "kvpop_service" / "config.pbtxt").read_text()))
-    assert engine - front == {("stream", "TYPE_BOOL", "[ 1 ]")}
-    assert front <= engine
-    assert "model_transaction_policy" not in (REPOSITORY / "kvpop_service" / "config.pbtxt").read_text()

@@ -19,6 +19,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from kvpop_client.contract import LIST_INPUTS, NUMPY_DTYPES, OPTION_INPUTS, PROMPT_INPUTS
 from kvpop_client.errors import KVpopServerError, ResponseValidationError, status_from_message
 from kvpop_client.types import Generation, StreamChunk, assemble_stream
 
@@ -31,18 +32,7 @@ SESSION_STATISTICS = ("tokens_reused", "tokens_computed")  # absent from servers
 
 # Optional request inputs: name -> (Triton datatype, numpy dtype).
 OPTIONAL_INPUTS: dict[str, tuple[str, Any]] = {
-    "max_tokens": ("INT32", np.int32),
-    "temperature": ("FP32", np.float32),
-    "top_p": ("FP32", np.float32),
-    "top_k": ("INT32", np.int32),
-    "seed": ("UINT64", np.uint64),
-    "stream": ("BOOL", np.bool_),
-    "ignore_eos": ("BOOL", np.bool_),
-    "eviction_policy": ("BYTES", np.object_),
-    "kv_budget": ("INT32", np.int32),
-    "compression_ratio": ("FP32", np.float32),
-    "session_id": ("BYTES", np.object_),  # keep the conversation's cache on the server between turns
-    "session_close": ("BOOL", np.bool_),  # the session's last turn: the server forgets it afterwards
+    name: (datatype, NUMPY_DTYPES[datatype]) for name, datatype in OPTION_INPUTS.items()
 }
 
 
@@ -104,20 +94,20 @@ class KVpopClient:
         triton = self._triton
         if _is_chat(prompt):
             data = np.array([[json.dumps(list(prompt)).encode("utf-8")]], dtype=np.object_)
-            inputs = [triton.InferInput("messages", list(data.shape), "BYTES")]
+            inputs = [triton.InferInput("messages", list(data.shape), PROMPT_INPUTS["messages"])]
         elif isinstance(prompt, str):
             data = np.array([[prompt.encode("utf-8")]], dtype=np.object_)
-            inputs = [triton.InferInput("text_input", list(data.shape), "BYTES")]
+            inputs = [triton.InferInput("text_input", list(data.shape), PROMPT_INPUTS["text_input"])]
         else:
             data = np.asarray(prompt, dtype=np.int64).reshape(1, -1)
             if data.size and (data.min() < 0 or data.max() > np.iinfo(np.int32).max):
                 raise ValueError("token ids must be in [0, 2**31)")
             data = data.astype(np.int32)  # the wire type, as in the TensorRT-LLM backend
-            inputs = [triton.InferInput("input_ids", list(data.shape), "INT32")]
+            inputs = [triton.InferInput("input_ids", list(data.shape), PROMPT_INPUTS["input_ids"])]
         inputs[0].set_data_from_numpy(data)
         if stop:
             stop_data = np.array([[item.encode("utf-8") for item in stop]], dtype=np.object_)
-            inputs.append(triton.InferInput("stop", list(stop_data.shape), "BYTES"))
+            inputs.append(triton.InferInput("stop", list(stop_data.shape), LIST_INPUTS["stop"]))
             inputs[-1].set_data_from_numpy(stop_data)
         for name, value in options.items():
             if value is None:

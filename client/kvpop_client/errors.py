@@ -1,3 +1,6 @@
+from kvpop_client.contract import ERROR_TAG_STATUS
+
+
 class KVpopClientError(Exception):
     """Base class of everything this client raises."""
 
@@ -13,11 +16,6 @@ class KVpopServerError(KVpopClientError):
 class ResponseValidationError(KVpopClientError):
     """The server's answer is not what the KVpop API promises (types, shapes, counts)."""
 
-
-# The tag that starts every KVpop error message, and the status it means. Triton's gRPC stream carries
-# a model's error without its code, so the tag is how a streamed error keeps it (mirrors
-# kvpop.serving.errors on the server; tests keep the two in step).
-ERROR_TAG_STATUS = {"invalid argument: ": "INVALID_ARGUMENT", "unavailable: ": "UNAVAILABLE", "internal: ": "INTERNAL"}
 
 
 def status_from_message(message: str, default: str | None = None) -> str | None:

@@ -7,9 +7,8 @@ from typing import Callable
 
 import numpy as np
 
+from kvpop_client.contract import FINISH_REASONS
 from kvpop_client.errors import ResponseValidationError
-
-FINISH_REASONS = ("stop", "length", "cancelled")
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deploy.nodes import lb
-from kvpop.serving.launcher import TritonServer, free_port
+from kvpop.serving.process import TritonServer, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 INFER_PATH = "/v2/models/kvpop_service/infer"

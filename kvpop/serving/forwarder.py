@@ -20,6 +20,7 @@ from typing import Callable
 
 import numpy as np
 
+from kvpop.serving.contract import ErrorKind
 from kvpop.serving.errors import kind_of, tagged
 
 PAD_TOKEN_ID = -1  # pads output_ids when the prompts of one batched request get answers of unequal length
@@ -27,7 +28,7 @@ PAD_TOKEN_ID = -1  # pads output_ids when the prompts of one batched request get
 
 @dataclass
 class ForwardError(Exception):
-    kind: str  # "invalid" | "overloaded" | "internal"
+    kind: ErrorKind
     message: str
 
     def __str__(self) -> str:
@@ -87,11 +88,11 @@ class EngineForwarder:
         return self._in_flight
 
     def submit(self, job: ForwardJob) -> int:
-        """Start a job; raises ForwardError("overloaded") at once when max_in_flight jobs are running."""
+        """Start a job; raises ForwardError(OVERLOADED) at once when max_in_flight jobs are running."""
         with self._lock:
             if self._in_flight >= self.max_in_flight:
-                raise ForwardError("overloaded", tagged(
-                    "overloaded", f"overloaded: {self._in_flight} requests in flight in the front end; retry later"))
+                raise ForwardError(ErrorKind.OVERLOADED, tagged(
+                    ErrorKind.OVERLOADED, f"overloaded: {self._in_flight} requests in flight in the front end; retry later"))
             self._in_flight += 1
         job.job_id = next(self._ids)
         self._loop.call_soon_threadsafe(self._start, job)
@@ -140,9 +141,9 @@ class EngineForwarder:
         except ForwardError as forward_error:
             error = forward_error
         except asyncio.CancelledError:
-            error = self._failures.pop(job.job_id, None) or ForwardError("internal", "cancelled: the client went away")
+            error = self._failures.pop(job.job_id, None) or ForwardError(ErrorKind.INTERNAL, "cancelled: the client went away")
         except Exception as unexpected:  # the engine unreachable, a broken stream: fail this request only
-            error = ForwardError("overloaded", tagged("overloaded", f"the engine is unavailable: {unexpected}"))
+            error = ForwardError(ErrorKind.OVERLOADED, tagged(ErrorKind.OVERLOADED, f"the engine is unavailable: {unexpected}"))
         finally:
             self._tasks.pop(job.job_id, None)
             with self._lock:
@@ -182,5 +183,5 @@ class EngineForwarder:
             if final is None:  # the client went away or the stream broke: the engine frees the slots
                 responses.cancel()
         if final is None:
-            raise ForwardError("internal", tagged("internal", f"{self.engine_model} sent no answer"))
+            raise ForwardError(ErrorKind.INTERNAL, tagged(ErrorKind.INTERNAL, f"{self.engine_model} sent no answer"))
         return final

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from kvpop.request import FinishReason, Tier
+from kvpop.serving.contract import ErrorKind
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 TOKEN_LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]
@@ -63,7 +64,7 @@ class ServiceMetrics:
         requests = counter("kvpop_requests_total", "finished requests by finish reason")
         self.requests = {reason: requests.Metric(labels={**labels, "finish_reason": reason}) for reason in FINISH_REASONS}
         rejected = counter("kvpop_rejected_requests_total", "requests refused, by reason")
-        self.rejected = {reason: rejected.Metric(labels={**labels, "reason": reason}) for reason in ("overloaded", "invalid", "internal")}
+        self.rejected = {reason: rejected.Metric(labels={**labels, "reason": reason}) for reason in map(str, ErrorKind)}
         self.degraded = counter("kvpop_degraded_requests_total", "requests admitted at a reduced KV budget").Metric(labels=labels)
         self.compression = histogram("kvpop_compression_ratio", "achieved compression per request (1 - cached/seen)", COMPRESSION_BUCKETS)
         self.ttft = histogram("kvpop_time_to_first_token_seconds", "time from arrival to the first token", LATENCY_BUCKETS)

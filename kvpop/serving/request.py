@@ -13,61 +13,24 @@ from typing import Any, Callable
 import numpy as np
 
 from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
+from kvpop.serving import contract
 from kvpop.serving.config import ServiceConfig
+from kvpop.serving.contract import MAX_STOP_LENGTH, MAX_STOP_STRINGS, SAMPLING_PARAMETER_KEYS
 
 
 class InvalidRequestError(ValueError):
     """The request is malformed; the message is sent back to the client."""
 
 
-# Optional inputs, each a single value, with the Python type it must convert to.
-SCALAR_INPUTS: dict[str, type] = {
-    "max_tokens": int,
-    "temperature": float,
-    "top_p": float,
-    "top_k": int,
-    "seed": int,
-    "stream": bool,
-    "ignore_eos": bool,  # generate exactly max_tokens (benchmarks, load tests)
-    "eviction_policy": str,
-    "kv_budget": int,
-    "compression_ratio": float,
-    "session_id": str,  # keep this conversation's cache between turns (kvpop.sessions)
-    "session_close": bool,  # the session's last turn: forget it afterwards
-    # What the TensorRT-LLM / vLLM backends take and genai-perf / perf_analyzer send. Each is honoured
-    # or refused (400) when it asks for something this engine does not do; never silently ignored.
-    "exclude_input_in_output": bool,  # true (or absent) only: answers never repeat the prompt
-    "min_length": int,  # TensorRT-LLM: 0 or absent, or a value equal to the output length
-    "min_tokens": int,  # vLLM's name for min_length
-    "beam_width": int,  # 1 (or 0/absent): greedy or sampled decoding, no beam search
-    "repetition_penalty": float,  # 1.0 (or 0/absent): no penalty
-    "presence_penalty": float,  # 0.0 (or absent)
-    "frequency_penalty": float,  # 0.0 (or absent)
-    # Triton's OpenAI frontend asks for the token counts; every response carries them anyway.
-    "return_num_input_tokens": bool,
-    "return_num_output_tokens": bool,
-}
+# Inputs that carry one value, name -> the Python type it converts to; those whose zero value
+# (0, 0.0 or "") means "not sent". Declared in kvpop.serving.contract.
+SCALAR_INPUTS: dict[str, type] = {name: spec.python_type for name, spec in contract.SCALAR_INPUTS.items()}
+UNSET_WHEN_ZERO = tuple(name for name, spec in contract.SCALAR_INPUTS.items() if spec.unset_when_zero)
 
 # Stop strings: `stop` (this service, vLLM) or `stop_words` (TensorRT-LLM, Triton's OpenAI frontend).
-STOP_INPUTS = ("stop", "stop_words")
-# TensorRT-LLM's guided decoding (sent by Triton's OpenAI frontend for tool calls): refused when asked for.
-GUIDED_DECODING_INPUTS = ("guided_decoding_guide_type", "guided_decoding_guide")
-
-# Inputs whose zero value (0, 0.0 or "") means "not sent".
-UNSET_WHEN_ZERO = (
-    "max_tokens", "top_p", "eviction_policy", "kv_budget", "compression_ratio", "session_id",
-    "min_length", "min_tokens", "beam_width", "repetition_penalty",
-)
-
-# vLLM's `sampling_parameters` (one JSON object) keys this service reads; others are refused.
-SAMPLING_PARAMETER_KEYS = {
-    "max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "stop", "min_tokens",
-    "repetition_penalty", "presence_penalty", "frequency_penalty", "n", "best_of",
-}
-
-
-MAX_STOP_STRINGS = 16
-MAX_STOP_LENGTH = 256
+STOP_INPUTS = (contract.STOP_INPUT.name, contract.STOP_WORDS_INPUT.name)
+# TensorRT-LLM's guided decoding: refused when asked for.
+GUIDED_DECODING_INPUTS = tuple(spec.name for spec in contract.GUIDED_DECODING_INPUTS)
 
 
 @dataclass
@@ -208,7 +171,8 @@ def parse_request(
         else:
             text = None
     if (text is None) == (ids is None):
-        raise InvalidRequestError("send exactly one of text_input (BYTES) or input_ids (INT32 [1, N])")
+        raise InvalidRequestError(
+            f"send exactly one of text_input ({_wire('text_input')}) or input_ids ({_wire('input_ids')} [1, N])")
 
     if text is not None:
         if text.size != 1:
@@ -306,6 +270,10 @@ def request_cache_config(
     elif budget is None and compression is None:
         budget = config.default_kv_budget
     return CacheConfig(policy=policy, budget=budget, compression=compression, scorer=kvpop_scorer)
+
+
+def _wire(name: str) -> str:
+    return contract.ENGINE.input(name).datatype
 
 
 def _non_empty_text(text: np.ndarray) -> bool:

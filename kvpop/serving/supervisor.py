@@ -1,4 +1,5 @@
-"""The supervisor `make serve` and the container run: keeps one tritonserver honest and alive.
+"""The supervisor `make serve` and the container run: keeps one tritonserver honest and alive, and
+the child processes that serve beside it (`ChildProcess`, e.g. an HTTP front end over the server).
 
 Triton 2.51 neither restarts a Python backend stub that died nor reports it: its health endpoints
 keep answering 200 while every request to the dead stub hangs. So the supervisor
@@ -7,26 +8,29 @@ keep answering 200 while every request to the dead stub hangs. So the supervisor
   back within its load time;
 - serves the truthful health endpoints on its own port: `/ready` is 200 only while the server is
   ready AND every stub it started is alive AND it is not draining; `/live` while this loop runs;
-- keeps its sidecars (the OpenAI-compatible API) running, restarting one that exits;
 - on SIGTERM (or Ctrl-C) drains: readiness goes false, the engine refuses new work as UNAVAILABLE
   (kvpop.serving.drain), running generations finish within the grace period or get a clear error,
-  then the server stops, leftover stubs and their /dev/shm regions are removed, and it exits 0.
+  then the children and the server stop, leftover stubs and their /dev/shm regions are removed, and
+  it exits 0;
+- restarts a child that exited on its own, without touching the server.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
 import threading
 import time
 import urllib.request
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-
+from typing import Sequence
 
 from kvpop.serving.drain import DRAIN_FILE_ENV, DrainSignal
-from kvpop.serving.launcher import LauncherError, StubProcess, TritonServer, remove_shm_regions, stub_processes
-from kvpop.serving.sidecar import Sidecar
+from kvpop.serving.process import ProcessStartError, StubProcess, TritonServer, remove_shm_regions, stub_processes
 
 RESTART_NOTICE_SECONDS = 0.5  # the front end's watcher polls every 0.1 s
 RESTART_NOTICE_MAX_SECONDS = 5.0  # a loaded machine may need longer to answer what the front end holds
@@ -55,14 +59,74 @@ def busy_requests(metrics_url: str, gauges: tuple[str, ...] = BUSY_GAUGES) -> fl
     return total
 
 
+@dataclass
+class ChildProcess:
+    """A command run beside tritonserver, started once the server is ready and stopped before it
+    (its requests reach the server, so the drain waits for them). Its own process group: stopping it
+    stops whatever it started."""
+
+    name: str
+    command: list[str]
+    ready_url: str | None = None  # answers 200 once the child serves; None: ready when started
+    env: dict[str, str] = field(default_factory=dict)
+    log_file: Path | None = None
+    process: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 120.0) -> None:
+        output = open(self.log_file, "ab") if self.log_file else None
+        try:
+            self.process = subprocess.Popen(self.command, env={**os.environ, **self.env}, stdout=output,
+                                            stderr=subprocess.STDOUT if output else None, stdin=subprocess.DEVNULL,
+                                            start_new_session=True)
+        finally:
+            if output:
+                output.close()  # the child holds its own copy
+        deadline = time.monotonic() + timeout
+        while self.ready_url and not _answers(self.ready_url):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise ProcessStartError(f"{self.name} did not start: {self.failure() or 'not ready'}")
+            time.sleep(0.25)
+
+    def failure(self) -> str | None:
+        if self.process is None or self.process.poll() is None:
+            return None
+        return f"{self.name} exited with code {self.process.returncode}"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.process.wait()
+
+    def status(self) -> dict:
+        return {"name": self.name, "pid": self.process.pid if self.process else None, "alive": self.failure() is None}
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
 class Supervisor:
-    """Runs `server` until SIGTERM/SIGINT; restarts it when it or one of its stubs dies."""
+    """Runs `server` (and `children` beside it) until SIGTERM/SIGINT; restarts the server when it or
+    one of its stubs dies, and a child when it exits."""
 
     def __init__(self, server: TritonServer, health_port: int | None = 8003, grace_seconds: float = 30.0,
                  poll_seconds: float = 0.5, max_restarts: int = 10, drain_file: Path | None = None,
-                 sidecars: list[Sidecar] | None = None) -> None:
-        self.server, self.health_port = server, health_port
-        self.sidecars = list(sidecars or [])
+                 children: Sequence[ChildProcess] = ()) -> None:
+        self.server, self.health_port, self.children = server, health_port, list(children)
         self.grace_seconds, self.poll_seconds, self.max_restarts = grace_seconds, poll_seconds, max_restarts
         drain_file = drain_file or Path(server.log_file or "run/tritonserver.log").with_name(
             f"drain-{server.http_port}.flag")
@@ -80,14 +144,12 @@ class Supervisor:
     # -- health endpoints ------------------------------------------------------------------------
     def status(self) -> dict:
         return {"state": self.state, "ready": self.is_ready(), "stubs": [stub.__dict__ for stub in self.stubs],
-                "sidecars": {sidecar.name: {"alive": sidecar.is_alive(), "restarts": sidecar.restarts}
-                             for sidecar in self.sidecars},
-                "restarts": self.restarts[-5:]}
+                "children": [child.status() for child in self.children], "restarts": self.restarts[-5:]}
 
     def is_ready(self) -> bool:
         return (self.state == "ready" and all(stub.is_alive() for stub in self.stubs)
-                and all(sidecar.is_alive() for sidecar in self.sidecars)
-                and self.server.process is not None and self.server.process.poll() is None)
+                and self.server.process is not None and self.server.process.poll() is None
+                and all(child.failure() is None for child in self.children))
 
     def is_live(self) -> bool:
         return time.monotonic() - self._heartbeat < max(10.0, 20 * self.poll_seconds)
@@ -126,34 +188,38 @@ class Supervisor:
             self._serve_health()
         try:
             self._start_server()
-        except LauncherError as error:
+            for child in self.children:
+                child.start()
+            self.state = "ready"  # only once the children serve too
+        except ProcessStartError as error:
             self._log(f"{error}")
+            self._stop_children()
             self._stop_server()
             return 1
-        for sidecar in self.sidecars:
-            sidecar.start()
         self._log(f"READY  HTTP http://{self.server.http_url}/v2/models/kvpop_service/infer  gRPC {self.server.grpc_url}"
                   f"  metrics {self.server.metrics_url}"
                   + (f"  health http://{self.server.http_url.rsplit(':', 1)[0]}:{self.health_port}/ready"
-                     if self.health_port else "")
-                  + "".join(f"  {sidecar.name} {sidecar.url}" for sidecar in self.sidecars))
+                     if self.health_port else ""))
         while not self._stop_requested.wait(self.poll_seconds):
             self._heartbeat = time.monotonic()
-            self._restart_exited_sidecars()
             reason = self._failure()
-            if reason is None:
+            dead_child = None if reason else next((child for child in self.children if child.failure()), None)
+            if reason is None and dead_child is None:
                 continue
             if len(self.restarts) >= self.max_restarts:
-                self._log(f"{reason}; {len(self.restarts)} restarts already: giving up (exit 1)")
+                self._log(f"{reason or dead_child.failure()}; {len(self.restarts)} restarts already: giving up (exit 1)")
+                self._stop_children()
                 self._stop_server()
-                for sidecar in self.sidecars:
-                    sidecar.stop()
                 return 1
-            self._restart(reason)
+            if reason is not None:
+                self._restart(reason)
+            else:
+                self._restart_child(dead_child, dead_child.failure())
         self._drain_and_stop()
         return 0
 
     def _failure(self) -> str | None:
+        """Why the server must restart, if it must."""
         process = self.server.process
         if process is None or process.poll() is not None:
             return f"tritonserver exited with code {None if process is None else process.returncode}"
@@ -162,12 +228,18 @@ class Supervisor:
             return "Python backend stub died: " + ", ".join(f"{stub.model} (pid {stub.pid})" for stub in dead)
         return None
 
-    def _restart_exited_sidecars(self) -> None:
-        for sidecar in self.sidecars:
-            if sidecar.process is not None and not sidecar.is_alive():
-                self._log(f"{sidecar.name} exited with code {sidecar.process.returncode}: restarting it")
-                sidecar.restarts += 1
-                sidecar.start()
+    def _restart_child(self, child: ChildProcess, reason: str) -> None:
+        self.state = "restarting"
+        self._log(f"{reason}: restarting it")
+        child.stop()
+        try:
+            child.start()
+        except ProcessStartError as error:
+            self._log(f"restart failed: {error}")
+            self.restarts.append({"reason": reason, "recovered": False})
+            return
+        self.state = "ready"
+        self.restarts.append({"reason": reason, "recovered": True})
 
     def _start_server(self) -> None:
         self.state = "starting"
@@ -175,7 +247,6 @@ class Supervisor:
         self.server.wait_ready()
         # Stubs start while models load: once the server is ready every one of them exists.
         self.stubs = stub_processes(self.server.process.pid)
-        self.state = "ready"
 
     def _restart(self, reason: str) -> None:
         started = time.monotonic()
@@ -191,10 +262,11 @@ class Supervisor:
         self.drain.clear()
         try:
             self._start_server()
-        except LauncherError as error:
+        except ProcessStartError as error:
             self._log(f"restart failed: {error}")
             self.restarts.append({"reason": reason, "recovered": False, "server_aborted": server_aborted})
             return
+        self.state = "ready"
         seconds = round(time.monotonic() - started, 1)
         self.restarts.append({"reason": reason, "recovered": True, "seconds": seconds, "server_aborted": server_aborted})
         self._log(f"recovered in {seconds} s")
@@ -224,9 +296,8 @@ class Supervisor:
             if busy == 0:
                 break
             time.sleep(0.25)
+        self._stop_children()
         self._stop_server()
-        for sidecar in self.sidecars:
-            sidecar.stop()
         self.drain.clear()
         self.state = "stopped"
         self._log("stopped")
@@ -237,6 +308,10 @@ class Supervisor:
         self.server.stop(timeout=2 if force else 30)
         remove_shm_regions(regions)
         self.stubs = []
+
+    def _stop_children(self) -> None:
+        for child in reversed(self.children):
+            child.stop()
 
     def _log(self, message: str) -> None:
         print(f"[serve] {message}", flush=True)

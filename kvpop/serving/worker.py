@@ -19,6 +19,7 @@ import numpy as np
 from kvpop.engine import Engine
 from kvpop.request import NO_TOKEN, GenerationResult, TokenEvent
 from kvpop.serving.admission import Admission, KVPoolAdmission, OverloadedError
+from kvpop.serving.contract import OUTPUTS, ErrorKind
 from kvpop.serving.detokenizer import IncrementalDetokenizer
 from kvpop.serving.drain import DrainSignal
 from kvpop.serving.metrics import NullMetrics
@@ -30,8 +31,7 @@ class ResponseChannel(Protocol):
 
     def send(self, tensors: dict[str, np.ndarray], final: bool) -> None: ...
 
-    def send_error(self, message: str, kind: str) -> None:  # kind: "invalid" | "overloaded" | "internal"
-        ...
+    def send_error(self, message: str, kind: ErrorKind) -> None: ...
 
     def is_cancelled(self) -> bool: ...
 
@@ -44,30 +44,33 @@ def output_tensors(
     num_output_tokens: int,
     result: GenerationResult | None = None,
 ) -> dict[str, np.ndarray]:
-    """One response's tensors, each with Triton's leading batch dimension of 1.
+    """One response's tensors as kvpop.serving.contract.OUTPUTS declares them, each with Triton's
+    leading batch dimension of 1: (1, 1), output_ids (1, N).
 
-    A streamed token's response (no `finish_reason` yet) carries the text, the token and the counts
-    only; the cache statistics come with the last response (zeros if the request never started).
-    Why: every tensor is built here, copied through the Python backend's shared memory and encoded
-    by the front end once per token per stream; eight constant tensors per token were most of it.
+    A streamed token's response (no `finish_reason` yet) carries the `streamed` outputs only (text,
+    token, counts); the cache statistics come with the last response (zeros if the request never
+    started). Why: every tensor is built here, copied through the Python backend's shared memory and
+    encoded by the front end once per token per stream; eight constant tensors per token were most of it.
     """
-    tensors = {
-        "text_output": np.array([[text.encode("utf-8")]], dtype=np.object_),
-        "output_ids": np.array([output_ids], dtype=np.int64).reshape(1, -1),
-        "finish_reason": np.array([[(finish_reason or "").encode()]], dtype=np.object_),
-        "num_input_tokens": np.array([[num_input_tokens]], dtype=np.int32),
-        "num_output_tokens": np.array([[num_output_tokens]], dtype=np.int32),
+    values = {
+        "text_output": text.encode("utf-8"),
+        "output_ids": output_ids,
+        "finish_reason": (finish_reason or "").encode(),
+        "num_input_tokens": num_input_tokens,
+        "num_output_tokens": num_output_tokens,
     }
-    if finish_reason is None:
-        return tensors
+    if finish_reason is not None:
+        values.update({
+            "kv_budget": result.budget if result else 0,
+            "peak_kv_bytes": result.peak_kv_bytes if result else 0,
+            "tokens_evicted": result.tokens_evicted if result else 0,
+            "compression": result.compression if result else 0.0,
+            "tokens_reused": result.tokens_reused if result else 0,
+            "tokens_computed": num_input_tokens - result.tokens_reused if result else 0,
+        })
     return {
-        **tensors,
-        "kv_budget": np.array([[result.budget if result else 0]], dtype=np.int32),
-        "peak_kv_bytes": np.array([[result.peak_kv_bytes if result else 0]], dtype=np.int64),
-        "tokens_evicted": np.array([[result.tokens_evicted if result else 0]], dtype=np.int64),
-        "compression": np.array([[result.compression if result else 0.0]], dtype=np.float32),
-        "tokens_reused": np.array([[result.tokens_reused if result else 0]], dtype=np.int32),
-        "tokens_computed": np.array([[num_input_tokens - result.tokens_reused if result else 0]], dtype=np.int32),
+        spec.name: np.array(values[spec.name], dtype=spec.numpy_dtype).reshape(1, -1)
+        for spec in OUTPUTS if spec.streamed or finish_reason is not None
     }
 
 
@@ -195,7 +198,7 @@ class EngineWorker:
             except Exception as error:  # a bug answering one request must not stop the others
                 if event.request_id in self._active:
                     self.engine.cancel(event.request_id)
-                    self._finish_with_error(event.request_id, f"internal error: {error}", "internal")
+                    self._finish_with_error(event.request_id, f"internal error: {error}", ErrorKind.INTERNAL)
         in_use = self.engine.kv_bytes_in_use + self.engine.hot_session_bytes  # the hot session tier lives in the KV pool
         if self.engine.sessions is not None:
             self.metrics.observe_sessions(self.engine.sessions)
@@ -229,12 +232,12 @@ class EngineWorker:
             self._ready = []
         for channel in waiting:
             try:
-                channel.send_error(message, "overloaded")
+                channel.send_error(message, ErrorKind.OVERLOADED)
             except Exception:
                 pass
         for request_id in list(self._active):
             self.engine.cancel(request_id)
-            self._finish_with_error(request_id, message, "overloaded")
+            self._finish_with_error(request_id, message, ErrorKind.OVERLOADED)
 
     def _admit_locked(self) -> list[_Active]:
         """Move queue-head requests that fit the KV pool into the engine (FIFO: no overtaking)."""
@@ -271,9 +274,9 @@ class EngineWorker:
             self.engine.add_request(request)
         except ValueError as error:
             self._release(request.request_id)
-            self.metrics.observe_rejected("invalid")
+            self.metrics.observe_rejected(ErrorKind.INVALID)
             try:
-                active.pending.channel.send_error(str(error), "invalid")
+                active.pending.channel.send_error(str(error), ErrorKind.INVALID)
             except Exception:  # the client is gone
                 pass
             return
@@ -340,7 +343,7 @@ class EngineWorker:
         except Exception:  # the client went away; its slots are already free
             pass
 
-    def _finish_with_error(self, request_id: str, message: str, kind: str) -> None:
+    def _finish_with_error(self, request_id: str, message: str, kind: ErrorKind) -> None:
         active = self._active.pop(request_id)
         self._release(request_id)
         self.metrics.observe_rejected(kind)
@@ -351,5 +354,5 @@ class EngineWorker:
 
     def _fail_all(self, message: str) -> None:
         for request_id in list(self._active):
-            self._finish_with_error(request_id, message, "internal")
+            self._finish_with_error(request_id, message, ErrorKind.INTERNAL)
         self.engine = self._engine_factory()

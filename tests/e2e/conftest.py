@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpop.serving.launcher import TritonServer, free_port
+from kvpop.serving.process import TritonServer, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpop.serving.launcher import free_port
+from kvpop.serving.process import free_port
 from kvpop_client import KVpopClient, KVpopServerError
 
 from .conftest import TEST_ENGINE_PARAMETERS, build_model_repository

@@ -105,7 +105,7 @@ def test_corrupt_checkpoint_is_refused_and_the_turn_prefills_cold(kvpop_grpc, tr
 
 def test_sigkill_between_turns_then_restart_continues_every_checkpointed_session(tmp_path, tiny_onnx_model_dir):
     from kvpop_client import KVpopClient
-    from kvpop.serving.launcher import TritonServer, free_port
+    from kvpop.serving.process import TritonServer, free_port
 
     from e2e.conftest import TEST_ENGINE_PARAMETERS, build_model_repository
 

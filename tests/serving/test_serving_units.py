@@ -153,16 +153,16 @@ def test_the_serving_runtime_imports_no_torch():
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
 
 
-def test_error_tags_mean_the_same_on_the_server_and_in_the_client():
-    from kvpop.serving.errors import ERROR_STATUS, ERROR_TAGS, kind_of, tagged
-    from kvpop_client.errors import ERROR_TAG_STATUS, status_from_message
+def test_error_tags_keep_their_kind_through_a_message():
+    from kvpop.serving.contract import ErrorKind
+    from kvpop.serving.errors import kind_of, tagged
+    from kvpop_client.errors import status_from_message
 
-    assert ERROR_TAG_STATUS == {ERROR_TAGS[kind]: ERROR_STATUS[kind] for kind in ERROR_TAGS}
-    for kind in ERROR_TAGS:
+    for kind in ErrorKind:
         message = tagged(kind, "max_tokens must be in [1, 64]")
-        assert kind_of(message) == kind and tagged(kind, message) == message
-        assert status_from_message(f"[StatusCode.UNKNOWN] {message}") == ERROR_STATUS[kind]
-    assert kind_of("something untagged") == "internal"
+        assert kind_of(message) is kind and tagged(kind, message) == message
+        assert status_from_message(f"[StatusCode.UNKNOWN] {message}") == kind.grpc_status
+    assert kind_of("something untagged") is ErrorKind.INTERNAL
 
 
 def test_front_end_splits_a_batch_and_types_its_parameters():

@@ -12,6 +12,7 @@ import triton_python_backend_utils as pb_utils
 
 from kvpop.serving.admission import OverloadedError
 from kvpop.serving.config import ServiceConfig
+from kvpop.serving.contract import ErrorKind
 from kvpop.serving.errors import tagged
 from kvpop.serving.metrics import ServiceMetrics
 from kvpop.serving.request import InvalidRequestError, parse_parameters
@@ -19,13 +20,8 @@ from kvpop.serving.service import KVpopService, Placement
 
 
 def error_code(kind):
-    """Triton's error code for a worker error kind (pb_utils.TritonError exists only at run time)."""
-    codes = {
-        "invalid": pb_utils.TritonError.INVALID_ARG,
-        "overloaded": pb_utils.TritonError.UNAVAILABLE,
-        "internal": pb_utils.TritonError.INTERNAL,
-    }
-    return codes[kind]
+    """Triton's error code for an error kind (pb_utils.TritonError exists only at run time)."""
+    return getattr(pb_utils.TritonError, ErrorKind(kind).triton_code)
 
 
 class TritonChannel:
@@ -91,14 +87,14 @@ class TritonPythonModel:
                     client_request_id=request.request_id() or "",
                 )
             except InvalidRequestError as error:
-                self.metrics.observe_rejected("invalid")
-                channel.send_error(str(error), "invalid")
+                self.metrics.observe_rejected(ErrorKind.INVALID)
+                channel.send_error(str(error), ErrorKind.INVALID)
             except OverloadedError as error:
-                self.metrics.observe_rejected("overloaded")
-                channel.send_error(str(error), "overloaded")
+                self.metrics.observe_rejected(ErrorKind.OVERLOADED)
+                channel.send_error(str(error), ErrorKind.OVERLOADED)
             except Exception as error:  # a bug must fail this request only
-                self.metrics.observe_rejected("internal")
-                channel.send_error(f"internal error: {type(error).__name__}: {error}", "internal")
+                self.metrics.observe_rejected(ErrorKind.INTERNAL)
+                channel.send_error(f"internal error: {type(error).__name__}: {error}", ErrorKind.INTERNAL)
         return None
 
     def finalize(self):

@@ -16,6 +16,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 # Light imports only: this model holds no weights.
+from kvpop.serving.contract import ErrorKind
 from kvpop.serving.drain import DrainSignal
 from kvpop.serving.errors import tagged
 from kvpop.serving.forwarder import EngineForwarder, ForwardError, ForwardJob
@@ -23,7 +24,6 @@ from kvpop.serving.frontend import engine_prompts
 from kvpop.serving.request import InvalidRequestError, parse_parameters
 
 CANCEL_POLL_SECONDS = 0.1
-ERROR_CODES = {"invalid": "INVALID_ARG", "overloaded": "UNAVAILABLE", "internal": "INTERNAL"}
 
 
 @dataclass
@@ -86,9 +86,9 @@ class TritonPythonModel:
                     self.in_flight[self.forwarder.submit(job)] = held
                     self.in_flight_gauge.set(len(self.in_flight))
             except InvalidRequestError as error:
-                self._send_error(sender, "invalid", str(error))
+                self._send_error(sender, ErrorKind.INVALID, str(error))
             except Exception as error:  # overloaded front end, or a bug: this request fails alone
-                self._send_error(sender, getattr(error, "kind", "internal"), str(error))
+                self._send_error(sender, getattr(error, "kind", ErrorKind.INTERNAL), str(error))
         return None
 
     def _answer(self, job, answer, error):
@@ -112,7 +112,7 @@ class TritonPythonModel:
 
     @staticmethod
     def _send_error(sender, kind, message):
-        code = getattr(pb_utils.TritonError, ERROR_CODES[kind])
+        code = getattr(pb_utils.TritonError, ErrorKind(kind).triton_code)
         sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(tagged(kind, message), code)),
                     flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
@@ -120,8 +120,8 @@ class TritonPythonModel:
         cancelled = set()
         while not self.stopping.wait(CANCEL_POLL_SECONDS):
             if self.drain.deadline_passed() and self.in_flight:
-                self.forwarder.fail_all(ForwardError("overloaded", tagged(
-                    "overloaded", "the server is restarting or shutting down; retry")))
+                self.forwarder.fail_all(ForwardError(ErrorKind.OVERLOADED, tagged(
+                    ErrorKind.OVERLOADED, "the server is restarting or shutting down; retry")))
             with self.lock:
                 held_requests = list(self.in_flight.items())
             cancelled &= {job_id for job_id, _ in held_requests}

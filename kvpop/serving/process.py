@@ -1,0 +1,294 @@
+"""The tritonserver process: where the binary is, its command line and environment, start and stop,
+its Python backend stubs, and the shared memory they leave behind.
+
+On a development machine the server binary and the Python backend come from the `nvidia-pytriton`
+wheel installed in the virtualenv; in the NGC image (`nvcr.io/nvidia/tritonserver:<yy.mm>-py3`) they
+are under /opt/tritonserver. The supervisor (kvpop.serving.supervisor) keeps such a process alive;
+tests and benchmarks start one directly (`with TritonServer(...) as server:`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+NGC_TRITON_HOME = Path("/opt/tritonserver")
+
+
+# Triton APIs only operators may call: the admin key guards them on HTTP and gRPC. Left open:
+# health, metadata, inference and model-config (clients and load balancers need them).
+ADMIN_APIS = ("model-repository", "shared-memory", "logging", "trace", "statistics")
+ADMIN_KEY_HEADER = "kvpop-admin-key"
+
+
+STUB_BINARY = "triton_python_backend_stub"
+SHM_DIR = Path("/dev/shm")
+
+
+class ProcessStartError(RuntimeError):
+    """A process (tritonserver, or a child beside it) cannot be found, started or made ready."""
+
+
+@dataclass(frozen=True)
+class StubProcess:
+    pid: int
+    model: str  # e.g. kvpop_engine (from the stub's model.py path)
+    shm_region: str  # its shared-memory region name in /dev/shm
+
+    @classmethod
+    def from_process(cls, process: psutil.Process) -> "StubProcess | None":
+        try:
+            command = process.cmdline()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return None
+        if not command or not command[0].endswith(STUB_BINARY) or len(command) < 3:
+            return None
+        return cls(process.pid, Path(command[1]).parent.parent.name, command[2])
+
+    def is_alive(self) -> bool:
+        try:
+            return psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+
+def stub_processes(server_pid: int) -> list[StubProcess]:
+    try:
+        children = psutil.Process(server_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    return [stub for stub in map(StubProcess.from_process, children) if stub is not None]
+
+
+def remove_shm_regions(regions: list[str]) -> None:
+    """Remove Python-backend shared-memory regions (a crashed stub leaves its region behind)."""
+    for region in regions:
+        for path in SHM_DIR.glob(f"{region}*"):
+            path.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class TritonInstallation:
+    binary: Path
+    backend_dir: Path
+    library_dirs: tuple[Path, ...] = ()
+
+
+def _site_packages() -> Path:
+    return Path(sysconfig.get_paths()["purelib"])
+
+
+def find_tritonserver() -> TritonInstallation:
+    """The pip-bundled server of this virtualenv, else the NGC image's, else one on PATH."""
+    bundle = _site_packages() / "pytriton" / "tritonserver"
+    if (bundle / "bin" / "tritonserver").exists():
+        libs = [Path(sysconfig.get_config_var("LIBDIR")), _site_packages() / "nvidia_pytriton.libs"]
+        return TritonInstallation(bundle / "bin" / "tritonserver", bundle / "backends", tuple(libs))
+    if (NGC_TRITON_HOME / "bin" / "tritonserver").exists():
+        return TritonInstallation(NGC_TRITON_HOME / "bin" / "tritonserver", NGC_TRITON_HOME / "backends")
+    on_path = shutil.which("tritonserver")
+    if on_path:
+        return TritonInstallation(Path(on_path), Path(on_path).resolve().parents[1] / "backends")
+    raise ProcessStartError("tritonserver not found: run `make setup` (installs nvidia-pytriton into .venv)")
+
+
+def prepare_python_backend_stub() -> None:
+    """The bundled server only looks for the Python backend stub next to libtriton_python.so."""
+    bundle = _site_packages() / "pytriton" / "tritonserver"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = bundle / "python_backend_stubs" / version / "triton_python_backend_stub"
+    target = bundle / "backends" / "python" / "triton_python_backend_stub"
+    if not bundle.exists():
+        return  # NGC image: the stub is already in place
+    if not stub.exists():
+        raise ProcessStartError(f"no Python backend stub for Python {version} in {stub.parent.parent}")
+    if not target.exists() or target.stat().st_size != stub.stat().st_size:
+        shutil.copy2(stub, target)
+
+
+def count_gpus() -> int:
+    """Number of NVIDIA GPUs visible (0 when nvidia-smi is missing or fails)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        return 0
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in listing.stdout.splitlines() if line.startswith("GPU "))
+
+
+def choose_model_config(gpus: int) -> str | None:
+    """config.pbtxt is the two-GPU production config; configs/<name>.pbtxt are the variants."""
+    if gpus >= 2:
+        return None
+    return "single_gpu" if gpus == 1 else "cpu"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class TritonServer:
+    """A tritonserver child process. Use as a context manager, or start()/stop()."""
+
+    model_repository: Path = DEFAULT_MODEL_REPOSITORY
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    address: str = "0.0.0.0"
+    model_config_name: str | None = "auto"
+    log_file: Path | None = None
+    extra_args: list[str] = field(default_factory=list)
+    admin_key: str | None = None  # guards Triton's admin APIs (header kvpop-admin-key); None: unguarded
+    extra_env: dict[str, str] = field(default_factory=dict)
+    process: subprocess.Popen | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"{self._host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self._host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self._host}:{self.metrics_port}/metrics"
+
+    @property
+    def _host(self) -> str:
+        return "127.0.0.1" if self.address in ("0.0.0.0", "127.0.0.1") else self.address
+
+    def command(self, installation: TritonInstallation) -> list[str]:
+        config_name = choose_model_config(count_gpus()) if self.model_config_name == "auto" else self.model_config_name
+        command = [
+            str(installation.binary),
+            f"--model-repository={Path(self.model_repository).resolve()}",
+            f"--backend-directory={installation.backend_dir}",
+            f"--http-address={self.address}",
+            f"--http-port={self.http_port}",
+            f"--grpc-address={self.address}",
+            f"--grpc-port={self.grpc_port}",
+            f"--metrics-address={self.address}",
+            f"--metrics-port={self.metrics_port}",
+            "--exit-timeout-secs=10",
+            "--log-verbose=0",
+        ]
+        if config_name:
+            command.append(f"--model-config-name={config_name}")
+        if self.admin_key:
+            restricted = f"{','.join(ADMIN_APIS)}:{ADMIN_KEY_HEADER}={self.admin_key}"
+            command += [f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}"]
+        return command + list(self.extra_args)
+
+    def environment(self, installation: TritonInstallation) -> dict[str, str]:
+        env = dict(os.environ)
+        # The stub's embedded interpreter finds `python3` on PATH and uses that venv's site-packages.
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        library_path = [str(path) for path in installation.library_dirs] + [env.get("LD_LIBRARY_PATH", "")]
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, library_path))
+        # kvpop_service reaches the engine through this server's own gRPC endpoint.
+        env["KVPOP_ENGINE_GRPC_URL"] = self.grpc_url
+        env.update(self.extra_env)
+        return env
+
+    def start(self) -> "TritonServer":
+        installation = find_tritonserver()
+        prepare_python_backend_stub()
+        if self.log_file:
+            Path(self.log_file).parent.mkdir(parents=True, exist_ok=True)
+        output = open(self.log_file, "ab") if self.log_file else None
+        self.process = subprocess.Popen(
+            self.command(installation),
+            env=self.environment(installation),
+            stdout=output,
+            stderr=subprocess.STDOUT if output else None,
+            start_new_session=True,
+        )
+        return self
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def metrics_up(self) -> bool:
+        """Whether the metrics endpoint answers: Triton starts it tens of ms after HTTP reports ready."""
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        """Until the models are ready and the metrics endpoint answers (what a caller reads first)."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise ProcessStartError(f"tritonserver exited with code {self.process.returncode} before it was ready")
+            if self.is_ready() and self.metrics_up():
+                return
+            time.sleep(0.5)
+        raise ProcessStartError(f"tritonserver not ready after {timeout:.0f} s")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop gracefully (SIGINT, Triton's own exit timeout), then make sure nothing is left: no stub
+        process and none of its /dev/shm regions."""
+        if self.process is None:
+            return
+        regions = self.shm_regions()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self.kill_leftovers()
+        remove_shm_regions(regions)
+
+    def shm_regions(self) -> list[str]:
+        """The shared-memory regions of this server's Python backend stubs."""
+        return [stub.shm_region for stub in stub_processes(self.process.pid)]
+
+    def kill_leftovers(self) -> None:
+        """SIGKILL what is left of the server's process group: a stub orphaned by a crashed server
+        ignores SIGTERM and would hold its shared memory forever."""
+        if self.process is None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def __enter__(self) -> "TritonServer":
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+

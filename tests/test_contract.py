@@ -1,0 +1,90 @@
+"""The I/O contract (kvpop.serving.contract) against everything that restates it: every config.pbtxt,
+the client's mirror, the worker's output tensors and the error kinds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+from kvpop.serving import contract
+from kvpop.serving.contract import ErrorKind
+
+REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"
+CONFIGS = sorted([*REPOSITORY.glob("*/config.pbtxt"), *REPOSITORY.glob("*/configs/*.pbtxt")])
+
+
+def parse(path: Path) -> model_config_pb2.ModelConfig:
+    return text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+
+
+def declared(tensor) -> tuple:
+    return (tensor.name, model_config_pb2.DataType.Name(tensor.data_type), tuple(tensor.dims))
+
+
+def test_every_model_variant_is_checked():
+    names = {path.relative_to(REPOSITORY).as_posix() for path in CONFIGS}
+    assert {"kvpop_engine/config.pbtxt", "kvpop_engine/configs/cpu.pbtxt", "kvpop_service/config.pbtxt"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda path: path.relative_to(REPOSITORY).as_posix())
+def test_config_declares_the_contract(path):
+    config = parse(path)
+    model = contract.MODELS[path.parent.name if path.parent.name != "configs" else path.parent.parent.name]
+    assert config.name == model.name
+    assert config.model_transaction_policy.decoupled == model.decoupled
+    inputs = {tensor.name: tensor for tensor in config.input}
+    assert sorted(inputs) == sorted(spec.name for spec in model.inputs)
+    for spec in model.inputs:
+        tensor = inputs[spec.name]
+        assert declared(tensor) == (spec.name, spec.data_type, spec.dims)
+        assert (tensor.optional, tensor.allow_ragged_batch) == (spec.optional, spec.ragged), spec.name
+    assert [declared(tensor) for tensor in config.output] == [
+        (spec.name, spec.data_type, spec.dims) for spec in model.outputs]
+
+def test_the_service_takes_every_engine_input_but_stream():
+    assert {spec.name for spec in contract.ENGINE.inputs} - {spec.name for spec in contract.SERVICE.inputs} == {"stream"}
+    assert contract.SERVICE.outputs == contract.ENGINE.outputs
+
+
+def test_the_client_mirror_equals_the_contract():
+    from kvpop_client import contract as mirror
+
+    assert mirror.PROMPT_INPUTS == {spec.name: spec.datatype for spec in contract.PROMPT_INPUTS}
+    assert mirror.OPTION_INPUTS == {spec.name: spec.datatype for spec in contract.OPTION_INPUTS}
+    assert mirror.LIST_INPUTS == {spec.name: spec.datatype for spec in contract.LIST_INPUTS}
+    assert set(mirror.PROMPT_INPUTS) | set(mirror.OPTION_INPUTS) | set(mirror.LIST_INPUTS) == {
+        spec.name for spec in contract.ENGINE.inputs}
+    assert mirror.OUTPUTS == {spec.name: spec.datatype for spec in contract.OUTPUTS}
+    assert {name: np.dtype(dtype) for name, dtype in mirror.NUMPY_DTYPES.items()} == {
+        wire: np.dtype(dtype) for wire, dtype, _ in contract.DATA_TYPES.values()}
+    assert mirror.FINISH_REASONS == contract.FINISH_REASONS
+    assert mirror.ERROR_TAG_STATUS == {kind.tag: kind.grpc_status for kind in ErrorKind}
+
+
+def test_error_kinds_map_to_each_transport():
+    assert [(kind.http_status, kind.grpc_status, kind.triton_code) for kind in ErrorKind] == [
+        (400, "INVALID_ARGUMENT", "INVALID_ARG"), (503, "UNAVAILABLE", "UNAVAILABLE"), (500, "INTERNAL", "INTERNAL")]
+    assert ErrorKind("invalid") is ErrorKind.INVALID and f"{ErrorKind.OVERLOADED}" == "overloaded"
+
+
+@pytest.mark.parametrize("finish_reason", [None, "length"])
+def test_worker_outputs_follow_the_contract(finish_reason):
+    from kvpop.serving.worker import output_tensors
+
+    tensors = output_tensors("hi", [7], finish_reason, 3, 1)
+    expected = [spec for spec in contract.OUTPUTS if spec.streamed or finish_reason is not None]
+    assert list(tensors) == [spec.name for spec in expected]
+    for spec in expected:
+        assert tensors[spec.name].dtype == np.dtype(spec.numpy_dtype), spec.name
+        assert tensors[spec.name].shape == (1, 1), spec.name  # batch of 1, one value (output_ids: one token)
+
+
+def test_request_parser_reads_every_option_input():
+    from kvpop.serving.request import SCALAR_INPUTS, UNSET_WHEN_ZERO
+
+    assert SCALAR_INPUTS == {spec.name: spec.python_type for spec in contract.OPTION_INPUTS}
+    assert set(UNSET_WHEN_ZERO) <= set(SCALAR_INPUTS)

@@ -222,7 +222,7 @@ def stall_probe(url: str, system: str, vocab: int, stream_tokens: int) -> dict:
 
 def start_triton(model_dir: Path, root: Path, parameters: dict[str, str], log: Path, config_name: str | None = "cpu"):
     """`config_name`: the kvpop_engine config (`cpu`, `single_gpu`, None for the two-GPU config.pbtxt)."""
-    from kvpop.serving.launcher import TritonServer, free_port
+    from kvpop.serving.process import TritonServer, free_port
     from tests.e2e.conftest import build_model_repository
 
     build_model_repository(root, model_dir, parameters)
@@ -235,7 +235,7 @@ def start_triton(model_dir: Path, root: Path, parameters: dict[str, str], log: P
 
 
 def start_classic(hf_model: Path, max_batch: int, log: Path, dtype: str):
-    from kvpop.serving.launcher import free_port
+    from kvpop.serving.process import free_port
 
     port = free_port()
     process = subprocess.Popen(
@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         KVPOP_OPTIONS["kv_budget"] = args.kvpop_budget
 
     from kvpop.model_spec import ModelSpec
-    from kvpop.serving.launcher import choose_model_config, count_gpus
+    from kvpop.serving.process import choose_model_config, count_gpus
 
     systems = tuple(system for system in SYSTEMS if system in args.systems)  # the canonical order
     gpus = count_gpus()

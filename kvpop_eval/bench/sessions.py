@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reply-tokens", type=int, default=32)
     args = parser.parse_args(argv)
 
-    from kvpop.serving.launcher import TritonServer, free_port
+    from kvpop.serving.process import TritonServer, free_port
     from tests.e2e.conftest import build_model_repository
 
     spec = json.loads((args.model / "model_spec.json").read_text())

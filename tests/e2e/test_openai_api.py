@@ -16,7 +16,7 @@ import numpy as np
 import openai
 import pytest
 
-from kvpop.serving.launcher import free_port
+from kvpop.serving.process import free_port
 
 pytestmark = pytest.mark.server
 

@@ -29,7 +29,7 @@ class Supervised:
     """The launcher as a child process on free loopback ports."""
 
     def __init__(self, root: Path, grace_seconds: float = 30) -> None:
-        self.ports = {name: free_port() for name in ("http", "grpc", "metrics", "health")}
+        self.ports = {name: free_port() for name in ("http", "grpc", "metrics", "health", "openai")}
         self.log = root / "launcher.log"
         command = [sys.executable, "-m", "kvpop.serving.launcher", f"--model-repository={root / 'models'}",
                    "--model-config-name=cpu", "--address=127.0.0.1", f"--grace-seconds={grace_seconds}",

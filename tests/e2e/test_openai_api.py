@@ -159,6 +159,16 @@ def test_api_key_is_required_when_configured(triton_server):
         process.wait(10)
 
 
+def wait_until_cancelled(metrics, cancelled_before: float, timeout: float = 30.0) -> None:
+    """Until the engine counted one more cancelled request and runs no sequence (or the timeout)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (metrics("kvpop_requests_total", finish_reason="cancelled") > cancelled_before
+                and metrics("kvpop_active_sequences") == 0):
+            return
+        time.sleep(0.2)
+
+
 def test_a_client_that_disconnects_mid_stream_frees_its_slots(api, metrics):
     cancelled = metrics("kvpop_requests_total", finish_reason="cancelled")
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4000, "stream": True, "ignore_eos": True,
@@ -171,12 +181,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slots(api, metrics):
     received = [response.readline() for _ in range(6)]
     assert any(line.startswith(b"data: {") for line in received)
     connection.close()  # the client goes away mid-stream
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if (metrics("kvpop_requests_total", finish_reason="cancelled") > cancelled
-                and metrics("kvpop_active_sequences") == 0):
-            break
-        time.sleep(0.2)
+    wait_until_cancelled(metrics, cancelled)
     assert metrics("kvpop_requests_total", finish_reason="cancelled") == cancelled + 1
     assert metrics("kvpop_active_sequences") == 0
 
@@ -192,12 +197,7 @@ def test_a_client_that_stops_waiting_for_a_complete_answer_frees_its_slots(api, 
     while metrics("kvpop_active_sequences") == 0 and time.monotonic() < deadline:
         time.sleep(0.05)  # until the engine runs it
     connection.close()  # the client gives up before the answer is complete
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if (metrics("kvpop_requests_total", finish_reason="cancelled") > cancelled
-                and metrics("kvpop_active_sequences") == 0):
-            break
-        time.sleep(0.2)
+    wait_until_cancelled(metrics, cancelled)
     assert metrics("kvpop_requests_total", finish_reason="cancelled") == cancelled + 1
     assert metrics("kvpop_active_sequences") == 0
 

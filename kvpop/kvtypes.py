@@ -34,6 +34,9 @@ class CacheUpdate:
     # None when the step returned no attention (policies with needs_attention False never read it)
     attention: np.ndarray | None  # (L, Hkv, G, T, C): new queries on the cache's C slots (grouped by KV head)
     chunk_attention: np.ndarray | None  # (L, Hkv, G, T, T): new queries on the new tokens (causal)
+    # A whole prompt's last W queries (the question, for a policy with a `query_window`) on the cache's C
+    # slots, then on the T new tokens: (L, Hkv, G, W, C + T); None for every other append.
+    query_attention: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -105,6 +108,14 @@ class StagedChunk:
     @property
     def length(self) -> int:
         return self.key.shape[2]
+
+    def query_attention(
+        self, attention: np.ndarray, chunk_attention: np.ndarray  # (L, Hq, t, S >= C + s - t), (L, Hq, t, t): the last piece's
+    ) -> np.ndarray:
+        """(L, Hq, t, C + s): the chunk's last piece's t queries on the cache's C slots and on the whole
+        chunk (s tokens, that piece included), what `CacheUpdate.query_attention` holds once grouped."""
+        before = self.capacity + self.length - chunk_attention.shape[-1]  # slots the piece's call had as past
+        return np.concatenate([attention[..., :before], chunk_attention], axis=-1)
 
     @property
     def nbytes(self) -> int:

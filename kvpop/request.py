@@ -52,6 +52,8 @@ class CacheConfig:
     window: int = 64
     seed: int = 0  # random policy
     scorer: str = "accumulated_attention"  # kvpop only: a built-in scorer or one of LEARNED_SCORER_KINDS
+    span_pooling: str | None = None  # kvpop only: how prompt tokens are ranked by span; None: the scorer's own
+    query_window: int | None = None  # kvpop only: the prompt's last queries that pick slots; None: the policy's default
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -86,7 +88,10 @@ class CacheConfig:
     def build_policy(self, learned_scorers: dict | None = None):
         """The policy instance; a learned scorer resolves to the engine's loaded network (`learned_scorers`,
         by kind), whose protected window (the one it was trained for) replaces `window`."""
-        return make_policy(self.policy, learned_scorers or {}, sinks=self.sinks, window=self.window, seed=self.seed, scorer=self.scorer)
+        kvpop_options = {name: value for name, value in (("span_pooling", self.span_pooling), ("query_window", self.query_window))
+                         if value is not None}
+        return make_policy(self.policy, learned_scorers or {}, sinks=self.sinks, window=self.window, seed=self.seed,
+                           scorer=self.scorer, **kvpop_options)
 
 
 @dataclass

@@ -18,6 +18,14 @@ is asked, the facts go in a shuffled order, so the asked one is at any rank amon
   vartrack    a chain of 4 assignments from a number plus a distractor chain; all 5 names are the answer
   qa          6 generated people, each with a job and a city; asks one person's city
 
+Prose families: the same kind of facts written INSIDE haystack paragraphs (each needle goes between two
+sentences of a paragraph, so no line break is near it), as in a pasted document, an e-mail or a
+transcript. A cache that ranks the prompt line by line sees such a fact only as a small part of a long
+paragraph:
+  prose_passkey  one pass key inside a paragraph
+  prose_qa       6 people (job, city), each inside a different paragraph; asks one person's city
+  prose_multi    4 people inside paragraphs; asks two people's cities together (both must be answered)
+
 The user turn is RULER's shape: a statement of what is hidden (never the key asked for), the haystack
 with the needles, then the question. A record is {"prompt", "context", "question", "answer" (a string,
 or a list that must all appear), "family", "split", "context_tokens", "index"}; "prompt" is the user
@@ -39,7 +47,9 @@ from pathlib import Path
 from typing import Callable
 
 SPLITS = ("train", "validation", "test")
-FAMILIES = ("passkey", "multikey", "multivalue", "vartrack", "qa")
+FAMILIES = ("passkey", "multikey", "multivalue", "vartrack", "qa")  # needles on lines of their own
+PROSE_FAMILIES = ("prose_passkey", "prose_qa", "prose_multi")  # needles inside paragraphs
+ALL_FAMILIES = FAMILIES + PROSE_FAMILIES
 CONTEXT_LENGTHS = (1024, 2048, 4096)
 SPLIT_SHARES = (0.6, 0.2, 0.2)
 
@@ -114,6 +124,11 @@ TASK_STATEMENTS = {
     "vartrack": "Variable assignments (VAR X = ...) are hidden in the text below. Memorize them; I will ask you about them afterwards.",
     "qa": "Facts about people, their jobs and their cities are hidden in the text below. Memorize them; I will ask you about one person afterwards.",
 }
+TASK_STATEMENTS["prose_passkey"] = TASK_STATEMENTS["passkey"]
+TASK_STATEMENTS["prose_qa"] = TASK_STATEMENTS["qa"]
+TASK_STATEMENTS["prose_multi"] = ("Facts about people, their jobs and their cities are hidden in the text below. "
+                                  "Memorize them; I will ask you about two people afterwards.")
+_SENTENCE_END = re.compile(r"(?<=[.!?]) (?=[A-Z\"(])")  # where a haystack paragraph's sentences meet
 
 
 def _number(rng: random.Random) -> str:
@@ -126,7 +141,7 @@ def make_needles(family: str, split: str, rng: random.Random) -> Needles:
     among them (RULER queries a random key): were it always first, a cache that keeps early lines would
     answer without knowing the question. A chain (vartrack) keeps its order."""
     needles = _needles_in_question_order(family, split, rng)
-    if family in ("multikey", "multivalue", "qa"):
+    if family in ("multikey", "multivalue", "qa", "prose_qa", "prose_multi"):
         rng.shuffle(needles.sentences)
     return needles
 
@@ -163,7 +178,17 @@ def _needles_in_question_order(family: str, split: str, rng: random.Random) -> N
         jobs = [rng.choice(_JOBS) for _ in people]
         sentences = [f"{person} works as a {job} in the city of {city}." for person, job, city in zip(people, jobs, cities)]
         return Needles(sentences, f"In which city does {people[0]} work? Answer with the city only.", cities[0])
-    raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    if family == "prose_passkey":
+        return _needles_in_question_order("passkey", split, rng)
+    if family == "prose_qa":
+        return _needles_in_question_order("qa", split, rng)
+    if family == "prose_multi":
+        people = rng.sample(_pool("person", split), 4)
+        cities = rng.sample(_pool("city", split), 4)
+        jobs = [rng.choice(_JOBS) for _ in people]
+        sentences = [f"{person} works as a {job} in the city of {city}." for person, job, city in zip(people, jobs, cities)]
+        return Needles(sentences, f"In which cities do {people[0]} and {people[1]} work? Answer with the two cities only.", cities[:2])
+    raise ValueError(f"unknown family {family!r}; expected one of {ALL_FAMILIES}")
 
 
 def generate_task(
@@ -187,10 +212,12 @@ def generate_task(
         used += cost
         if budget - used < 24:
             break
-    # Needles at seeded depths, in make_needles' order (a chain's assignments stay in sequence).
-    depths = sorted(rng.randrange(len(paragraphs) + 1) for _ in needles.sentences)
-    for offset, (depth, sentence) in enumerate(zip(depths, needles.sentences)):
-        paragraphs.insert(depth + offset, sentence)
+    if family in PROSE_FAMILIES:
+        _write_into_paragraphs(paragraphs, needles.sentences, rng)
+    else:  # needles at seeded depths, in make_needles' order (a chain's assignments stay in sequence)
+        depths = sorted(rng.randrange(len(paragraphs) + 1) for _ in needles.sentences)
+        for offset, (depth, sentence) in enumerate(zip(depths, needles.sentences)):
+            paragraphs.insert(depth + offset, sentence)
     context = f"{TASK_STATEMENTS[family]}\n\n" + "\n\n".join(paragraphs)
     return {
         "family": family, "split": split, "index": index, "context_tokens": context_tokens,
@@ -198,6 +225,18 @@ def generate_task(
         "context": context, "question": needles.question,  # the two parts (kvpress takes the question apart)
         "answer": needles.answer,
     }
+
+
+def _write_into_paragraphs(paragraphs: list[str], sentences: list[str], rng: random.Random) -> None:
+    """Each needle between two sentences of its own paragraph (a seeded one of at least two sentences),
+    in order of depth: the text runs on before and after it, with no line break near."""
+    hosts = [index for index, paragraph in enumerate(paragraphs) if len(_SENTENCE_END.split(paragraph)) >= 2]
+    if len(hosts) < len(sentences):
+        raise ValueError(f"{len(hosts)} paragraphs of two sentences or more for {len(sentences)} needles: the context is too short")
+    for host, sentence in zip(sorted(rng.sample(hosts, len(sentences))), sentences):
+        parts = _SENTENCE_END.split(paragraphs[host])
+        cut = rng.randrange(1, len(parts))  # after at least one sentence, before at least one
+        paragraphs[host] = " ".join([*parts[:cut], sentence, *parts[cut:]])
 
 
 _TOKEN_COUNTS: dict[tuple[int, str], int] = {}
@@ -250,13 +289,13 @@ def main(argv: list[str] | None = None) -> int:
     write.add_argument("--split", choices=SPLITS, default="test")
     write.add_argument("--context-tokens", type=int, default=2048)
     write.add_argument("--num", type=int, default=40)
-    write.add_argument("--families", default=",".join(FAMILIES))
+    write.add_argument("--families", default=",".join(FAMILIES), help=f"comma-separated, of {', '.join(ALL_FAMILIES)}")
     write.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     families = tuple(name.strip() for name in args.families.split(",") if name.strip())
-    unknown = [name for name in families if name not in FAMILIES]
+    unknown = [name for name in families if name not in ALL_FAMILIES]
     if unknown:
-        parser.error(f"unknown families {unknown}; expected some of {FAMILIES}")
+        parser.error(f"unknown families {unknown}; expected some of {ALL_FAMILIES}")
     records = write_tasks(args.out, args.split, args.num, args.context_tokens, args.model, families)
     print(f"wrote {len(records)} {args.split} tasks of ~{args.context_tokens} context tokens to {args.out}")
     return 0

@@ -159,6 +159,7 @@ class SlotCache:
         value: np.ndarray,  # (L, Hkv, T, D)
         attention: np.ndarray | None,  # (L, Hq, T, S) with S >= C; slots beyond C are padding
         chunk_attention: np.ndarray | None,  # (L, Hq, T, T)
+        query_attention: np.ndarray | None = None,  # (L, Hq, W, C + T): a whole prompt's last W queries (CacheUpdate)
     ) -> None:
         """Store T new tokens, evicting per head with the policy when the budget is exceeded."""
         num_layers, num_kv_heads, new_tokens, _ = key.shape
@@ -174,6 +175,8 @@ class SlotCache:
             else attention[..., :capacity].reshape(num_layers, num_kv_heads, group, new_tokens, capacity),
             chunk_attention=None if chunk_attention is None
             else chunk_attention.reshape(num_layers, num_kv_heads, group, new_tokens, new_tokens),
+            query_attention=None if query_attention is None
+            else query_attention.reshape(num_layers, num_kv_heads, group, query_attention.shape[2], capacity + new_tokens),
         )
         decided: StatisticsUpdate = self.policy.observe(self, update)
         for name, values in decided.cached.items():  # (L, Hkv, C): the policy's arrays, taken over

@@ -73,8 +73,15 @@ class PromptStaging:
         for row, (cache, request_id, chunk_length) in enumerate(zip(caches, request_ids, chunk_lengths)):
             piece = self._staged.pop(request_id, None)
             done = (0 if piece is None else piece.length) + length == chunk_length or not cache.policy.evicts
+            # The piece that ends a whole prompt of a policy that reads its last queries (`query_window`): the
+            # engine ran it alone with attention (Sequence.piece_left), so its queries are those last tokens.
+            reads_query = done and cache.policy.query_window > 0 and out.attention is not None
             if piece is None and done:
-                append_output(cache, out, row)
+                if reads_query:  # the chunk in one call: its queries on the cache's slots, then on the chunk
+                    query = np.concatenate([out.attention[:, row][..., : cache.capacity], out.chunk_attention[:, row]], axis=-1)
+                    cache.append(out.new_key[:, row], out.new_value[:, row], None, None, query_attention=query)
+                else:
+                    append_output(cache, out, row)
                 continue
             key, value = out.new_key[:, row], out.new_value[:, row]  # (L, Hkv, t, D)
             attention = None if out.attention is None else out.attention[:, row]  # (L, Hq, t, S)
@@ -85,7 +92,8 @@ class PromptStaging:
                 piece.add(key, value, attention, chunk_attention)
             cache.policy.stage(cache, piece, slice(piece.length - length, piece.length), chunk_length)
             if done:
-                cache.append(piece.key, piece.value, piece.attention, piece.chunk_attention)
+                query = piece.query_attention(out.attention[:, row], out.chunk_attention[:, row]) if reads_query else None
+                cache.append(piece.key, piece.value, piece.attention, piece.chunk_attention, query_attention=query)
             else:
                 self._staged[request_id] = piece
 

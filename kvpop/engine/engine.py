@@ -246,10 +246,12 @@ class Engine:
         saved state or a warm prefix's); the rest of its prompt is fed by `_decode_and_prefill`."""
         allocation = self.cache_manager.allocate(request)
         cache = allocation.cache
+        prompt_left = len(request.prompt_ids) - allocation.tokens_reused
         return Sequence(
             request=request, allocation=allocation, sampler=Sampler(request.sampling),
-            chunk_size=self.scheduler.chunk_size(cache.policy, cache.budget, len(request.prompt_ids) - allocation.tokens_reused),
+            chunk_size=self.scheduler.chunk_size(cache.policy, cache.budget, prompt_left),
             prefilled=allocation.tokens_reused,
+            query_window=self.scheduler.query_window(cache.policy, cache.budget, prompt_left, cache.length),
         )
 
     def _decode_and_prefill(self, decoding: list[Sequence]) -> list[TokenEvent]:
@@ -268,7 +270,7 @@ class Engine:
             if not pieces:
                 break
             for length, sequences in pieces.items():
-                if mixed and not reads_attention(sequences):
+                if mixed and not self.scheduler.piece_reads_attention(sequences):
                     decode_out, out = self.runner.mixed(decoding, sequences, length)
                     decode_events = self._sample(decoding, decode_out)
                     mixed = False

@@ -7,7 +7,7 @@ import numpy as np
 
 from kvpop.cache.manager import CacheManager
 from kvpop.decoder import DecoderStep, StepInputs, StepOutput
-from kvpop.engine.scheduler import reads_attention
+from kvpop.engine.scheduler import Scheduler, reads_attention
 from kvpop.engine.sequence import Sequence
 
 
@@ -20,14 +20,15 @@ class ModelRunner:
         """The next `length` prompt tokens of each sequence (at most the rest of its current chunk)
         through one decoder call, after its cache and its chunk's staged pieces. A sequence whose chunk
         this completes has it appended to its cache; otherwise the piece is staged."""
-        out = self.decoder.run(*self._piece_inputs(sequences, length), last_only=True, attention=reads_attention(sequences))
+        attention = Scheduler.piece_reads_attention(sequences)
+        out = self.decoder.run(*self._piece_inputs(sequences, length), last_only=True, attention=attention)
         self._store_piece(sequences, length, out)
         return out
 
     def whole_prompt(self, sequence: Sequence) -> StepOutput:
         """The rest of one sequence's prompt, alone, chunk by chunk; the last chunk's output."""
         while sequence.prompt_left:
-            out = self.prompt_piece([sequence], sequence.chunk_left)
+            out = self.prompt_piece([sequence], sequence.piece_left)
         return out
 
     def decode(self, sequences: list[Sequence]) -> StepOutput:

@@ -56,6 +56,12 @@ class Scheduler:
             return prompt_left
         return self.evicting_chunk(budget)
 
+    def query_window(self, policy: "EvictionPolicy", budget: int | None, prompt_left: int, cached: int) -> int:
+        """The prompt's last tokens whose queries the policy reads (`EvictionPolicy.query_window`), when it
+        takes the prompt whole and must evict then (`cached` slots already held); else 0."""
+        evicts = budget is not None and cached + prompt_left > budget
+        return min(policy.query_window, prompt_left) if evicts and self.prefills_whole(policy, budget, prompt_left) else 0
+
     # -- one step's work -------------------------------------------------------------------------
 
     def step_budget(self, decoding: bool) -> int:
@@ -66,6 +72,12 @@ class Scheduler:
         if not decoding:
             return max(ceiling, self.config.prefill_chunk)
         return ceiling if self.pacer is None else self.pacer.step_tokens(ceiling)
+
+    @staticmethod
+    def piece_reads_attention(sequences: "list[Sequence]") -> bool:
+        """Whether a prompt call for `sequences` must return attention (a policy reads it, or a piece is a
+        prompt's query window)."""
+        return reads_attention(sequences) or any(sequence.reads_query for sequence in sequences)
 
     def mixes(self, decoding: "list[Sequence]") -> bool:
         """Whether this step's decode may share a call with prompt work (no cache in it reads attention)."""
@@ -78,8 +90,8 @@ class Scheduler:
         and the budget used after it. Empty: what is left is too small to start any piece."""
         pieces: dict[int, list[Sequence]] = {}
         for sequence in prefilling:
-            length = min(sequence.chunk_left, budget - used)
-            if length <= 0 or used and length < min(sequence.chunk_left, MIN_PIECE_TOKENS):
+            length = min(sequence.piece_left, budget - used)
+            if length <= 0 or used and length < min(sequence.piece_left, MIN_PIECE_TOKENS):
                 break  # no sliver of a chunk after other work: a call costs more than its tokens
             pieces.setdefault(length, []).append(sequence)
             used += length

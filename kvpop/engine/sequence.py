@@ -31,6 +31,7 @@ class Sequence:
     prefilled: int = 0  # prompt tokens run through the model so far (in the cache, or staged)
     chunk_size: int = 1  # prompt tokens per prefill chunk (what enters the cache at once)
     staged_tokens: int = 0  # of the current chunk, computed but not yet in the cache (the manager holds them)
+    query_window: int = 0  # > 0: the prompt's last this many tokens run as their own piece, with attention
 
     @property
     def request_id(self) -> str:
@@ -48,6 +49,19 @@ class Sequence:
     def chunk_left(self) -> int:
         """Prompt tokens left in the current chunk (a chunk begins as min(chunk_size, prompt left))."""
         return min(self.chunk_size, self.prompt_left + self.staged_tokens) - self.staged_tokens
+
+    @property
+    def piece_left(self) -> int:
+        """Prompt tokens until the next piece must end: the chunk's end, or, before a `query_window`, the
+        window's start (the policy reads the attention of those last queries alone)."""
+        if self.query_window and self.chunk_left > self.query_window:
+            return self.chunk_left - self.query_window
+        return self.chunk_left
+
+    @property
+    def reads_query(self) -> bool:
+        """Whether the next piece is the prompt's last `query_window` tokens, whose call returns attention."""
+        return bool(self.query_window) and self.chunk_left <= self.query_window
 
     def view(self, phase: Phase) -> "SequenceState":
         return SequenceState(self.request_id, phase, self.prefilled, len(self.output_ids), self.chunk_size, self.allocation,

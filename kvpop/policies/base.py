@@ -39,6 +39,9 @@ class EvictionPolicy(ABC):
     uses_window: ClassVar[bool] = False
     evicts: ClassVar[bool] = True  # False only for the full cache
     needs_attention: ClassVar[bool] = False  # reads CacheUpdate.attention (the step must return it)
+    # > 0: reads a whole prompt's last `query_window` queries (CacheUpdate.query_attention) when the prompt
+    # enters at once; the engine then runs those last tokens as their own piece, with attention.
+    query_window: int = field(default=0, init=False, repr=False)
 
     @classmethod
     def from_options(cls, learned_scorers: dict | None, **options: Any) -> "EvictionPolicy":

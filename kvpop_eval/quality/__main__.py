@@ -9,6 +9,7 @@ from pathlib import Path
 
 from kvpop.request import CacheConfig
 from kvpop.policies import POLICIES
+from kvpop.policies.kvpop.text_spans import SPAN_POOLINGS
 from kvpop_eval import quality
 from kvpop_eval.engine_factory import AUTO_SCORER, build_engine, resolve_scorer
 from kvpop_eval.provenance import stamp
@@ -42,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policies", help="sweep: comma-separated policies or kvpop:<scorer> (default: all)")
     parser.add_argument("--scorer", default=AUTO_SCORER,
                         help="single run, kvpop policy: its scorer (auto: as the service, the exported mLSTM when present)")
+    parser.add_argument("--span-pooling", choices=SPAN_POOLINGS, default=None,
+                        help="kvpop: how prompt tokens are ranked by span (default: as the scorer was trained; '' for none)")
+    parser.add_argument("--query-window", type=int, default=None,
+                        help="kvpop: the prompt's last queries that pick slots when it enters whole (default: the policy's; 0: off)")
     parser.add_argument("--compressions", default=",".join(str(r) for r in SWEEP_COMPRESSIONS))
     parser.add_argument("--skip-full", action="store_true", help="sweep: do not run the full cache (rows for --merge)")
     parser.add_argument("--merge", type=Path, nargs="+", help="merge these sweep folders (same tasks) into --out-dir; runs nothing")
@@ -56,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.model is None or args.tasks is None:
         parser.error("--model and --tasks are required (except with --merge)")
 
+    kvpop_options = {name: value for name, value in (("span_pooling", args.span_pooling), ("query_window", args.query_window))
+                     if value is not None}
     tasks = load_tasks(args.tasks, args.limit)
     engine = build_engine(args.model, device=args.device, max_batch_size=args.batch_size, prefill_chunk=args.prefill_chunk,
                           whole_prompt_tokens=args.whole_prompt_tokens)
@@ -69,14 +76,15 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown policies {unknown}; registered: {', '.join(POLICIES)}")
         compressions = tuple(float(ratio) for ratio in args.compressions.split(","))
         sweep(engine, tasks, args.out_dir, policies, compressions, args.max_tokens, args.scoring, args.sinks, args.window,
-              tasks_file=args.tasks if not args.limit else None, run_full=not args.skip_full)
+              tasks_file=args.tasks if not args.limit else None, run_full=not args.skip_full, kvpop_options=kvpop_options)
         print(f"wrote {args.out_dir}/sweep.json, sweep.md, accuracy_vs_compression.png")
         return 0
     if args.out is None:
         parser.error("a single run needs --out")
     try:
         config = CacheConfig(policy=args.policy, budget=args.budget, compression=args.compression, sinks=args.sinks,
-                             window=args.window, scorer=resolve_scorer(args.scorer, engine.learned_scorers))
+                             window=args.window, scorer=resolve_scorer(args.scorer, engine.learned_scorers),
+                             **(kvpop_options if args.policy == "kvpop" else {}))
     except ValueError as error:
         parser.error(str(error))
     report = stamp(evaluate(engine, tasks, config, args.max_tokens, args.scoring))

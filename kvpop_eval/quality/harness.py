@@ -19,6 +19,7 @@ def evaluate(
 ) -> dict:
     """Run every task greedily under `cache`; return the report (summary + one row per task)."""
     tokenizer, is_correct = engine.tokenizer, scorer(scoring)
+    policy = cache.build_policy(engine.learned_scorers)
     requests = [
         GenerationRequest(f"task-{index}", encode(tokenizer, task["prompt"]), SamplingParams(max_tokens=max_tokens), cache)
         for index, task in enumerate(tasks)
@@ -41,10 +42,10 @@ def evaluate(
             "peak_kv_bytes": result.peak_kv_bytes,
         })
     count = len(rows)
-    policy = cache.build_policy(engine.learned_scorers)
     return {
         "policy": cache.policy,
         "scorer": cache.scorer if cache.policy == "kvpop" else None,
+        **({"span_pooling": policy.span_pooling, "query_window": policy.query_window} if cache.policy == "kvpop" else {}),
         "budget": cache.budget,
         "compression_target": cache.compression,
         "sinks": cache.sinks,
@@ -76,10 +77,12 @@ def sweep(
     window: int,
     tasks_file: Path | None = None,
     run_full: bool = True,
+    kvpop_options: dict | None = None,
 ) -> list[dict]:
     """Every policy x compression. At 0% nothing is evicted, so every policy IS the full cache:
     full runs once and stands for all of them there. Without `run_full` (rows to merge into a sweep
-    that has the full cache, `--merge`) only the listed policies run and only sweep.json is written."""
+    that has the full cache, `--merge`) only the listed policies run and only sweep.json is written.
+    `kvpop_options`: CacheConfig fields for the kvpop rows (span_pooling, query_window)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     header = stamp({"tasks": len(tasks), "scoring": scoring, "tasks_file": str(tasks_file) if tasks_file else None,
                     "tasks_sha256": hashlib.sha256(Path(tasks_file).read_bytes()).hexdigest() if tasks_file else None})
@@ -105,7 +108,7 @@ def sweep(
                 continue
             name, _, scorer_name = policy.partition(":")
             config = CacheConfig(policy=name, compression=ratio, sinks=sinks, window=window,
-                                 scorer=scorer_name or "accumulated_attention")
+                                 scorer=scorer_name or "accumulated_attention", **(kvpop_options if name == "kvpop" else {}))
             report = evaluate(engine, tasks, config, max_tokens, scoring)
             summary.append(summary_row(report, policy, ratio))
             save(False)

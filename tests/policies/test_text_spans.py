@@ -95,7 +95,7 @@ def test_span_pooling_needs_the_shared_ranking():
     with pytest.raises(ValueError, match="span_pooling"):
         ScorerConfig(kind="mlstm", num_layers=2, num_kv_heads=2, head_dim=8, span_pooling="line")
     with pytest.raises(ValueError, match="span_pooling"):
-        ScorerConfig(kind="mlstm", num_layers=2, num_kv_heads=2, head_dim=8, shared_ranking=True, span_pooling="sentence")
+        ScorerConfig(kind="mlstm", num_layers=2, num_kv_heads=2, head_dim=8, shared_ranking=True, span_pooling="paragraph")
 
 
 def test_policy_keeps_whole_lines_and_ranks_them_by_their_mean(line_scorer_dir, decoder):

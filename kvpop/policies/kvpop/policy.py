@@ -26,7 +26,8 @@ from kvpop.policies.base import EvictionPolicy
 from kvpop.policies.kvpop.scorers import LeavingTokens, TokenScorer, make_scorer
 from kvpop.policies.kvpop import decode_batch, state_codec
 from kvpop.policies.kvpop.kinds import LEARNED_SCORER_KINDS, SCORE, learned_scorer
-from kvpop.policies.kvpop.text_spans import TextSpans, line_breaks
+from kvpop.policies.kvpop import query
+from kvpop.policies.kvpop.text_spans import TextSpans, check_span_pooling, span_ends
 
 
 
@@ -40,6 +41,9 @@ class KVpopPolicy(EvictionPolicy):
     scorer: "str | TokenScorer" = "accumulated_attention"
     window_share: float = 0.25  # the window takes at most this share of the budget ...
     min_window: int = 32  # ... but never fewer tokens than this (nor more than `window`)
+    span_pooling: "str | None" = None  # how prompt tokens are ranked by span (text_spans.py); None: as the scorer was trained
+    query_window: int = 0  # > 0: a prompt entering whole lets its last this many queries pick (query.py) ...
+    query_share: float = 0.5  # ... this share of the long-range slots
     _scorer: TokenScorer = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -47,7 +51,14 @@ class KVpopPolicy(EvictionPolicy):
             raise ValueError(f"kvpop: sinks and window must be >= 0, got sinks={self.sinks} window={self.window}")
         if not 0.0 < self.window_share <= 1.0 or self.min_window < 0:
             raise ValueError(f"kvpop: window_share must be in (0, 1] and min_window >= 0, got {self.window_share}, {self.min_window}")
+        if self.query_window < 0 or not 0.0 <= self.query_share <= 1.0:
+            raise ValueError(f"kvpop: query_window must be >= 0 and query_share in [0, 1], got {self.query_window}, {self.query_share}")
         self._scorer = make_scorer(self.scorer)
+        if self.span_pooling is None:
+            self.span_pooling = self._scorer.span_pooling
+        elif self.span_pooling and not self._scorer.shared_ranking:
+            raise ValueError(f"kvpop: span_pooling {self.span_pooling!r} needs a learned scorer with one model-wide ranking")
+        check_span_pooling(self.span_pooling, shared_ranking=True)
 
     @classmethod
     def from_options(cls, learned_scorers: dict | None, **options) -> "KVpopPolicy":
@@ -133,21 +144,18 @@ class KVpopPolicy(EvictionPolicy):
     def decode_state(self, description, arrays):
         return state_codec.decode(description, arrays) if description.get("kind") == state_codec.SCORER else super().decode_state(description, arrays)
 
-    @property
-    def span_pooling(self) -> str:
-        return self._scorer.span_pooling
-
     def prompt_state(self, prompt_ids: list[int], tokenizer, vocab_size: int) -> "TextSpans | None":
-        """The prompt cut into lines, for a scorer that ranks by line (needs the tokenizer), else None."""
+        """The prompt cut into spans, when prompt tokens are ranked by span (needs the tokenizer), else None."""
         if not self.span_pooling or tokenizer is None:
             return None
-        return TextSpans.of_prompt(prompt_ids, line_breaks(tokenizer, vocab_size), self.span_pooling)
+        return TextSpans.of_prompt(prompt_ids, span_ends(tokenizer, vocab_size, self.span_pooling), self.span_pooling)
 
     @classmethod
     def prepare(cls, learned_scorers: dict, tokenizer, vocab_size: int) -> None:
-        """The line-break table now (0.13 s for SmolLM2's 49,152 tokens), not on a request's first step."""
-        if tokenizer is not None and any(scorer.span_pooling for scorer in learned_scorers.values()):
-            line_breaks(tokenizer, vocab_size)
+        """The span-end tables now (0.13 s each for SmolLM2's 49,152 tokens), not on a request's first step."""
+        if tokenizer is not None and learned_scorers:
+            for pooling in ("line", "sentence"):
+                span_ends(tokenizer, vocab_size, pooling)
 
     def pool_leaving_prompt_token(self, cache, position: np.ndarray, score: np.ndarray, leaving: np.ndarray) -> None:
         """Line pooling for a vectorised decode step (kvpop.policies.kvpop.decode_batch), as `observe` pools a
@@ -163,7 +171,7 @@ class KVpopPolicy(EvictionPolicy):
 
     def _line_spans(self, cache) -> "TextSpans | None":
         """The cache's prompt lines when this scorer ranks by line (kvpop.policies.kvpop.text_spans), else None."""
-        return cache.prompt_state if self._scorer.span_pooling else None
+        return cache.prompt_state if self.span_pooling else None
 
     @property
     def statistics(self) -> tuple[str, ...]:
@@ -217,6 +225,11 @@ class KVpopPolicy(EvictionPolicy):
             spans.add_scores(leaving.positions[0, 0], scores[0, 0])
             scores = spans.priority(leaving.positions, scores)
             cached_score = spans.priority(cache.position, cached_score)  # held tokens of those lines move too
+        if update.query_attention is not None:  # a whole prompt's question picks its share (query.py)
+            sinks, window = self.protected_counts(cache.budget)
+            picks = round(self.query_share * self.long_range_slots(cache.budget))
+            cached_score, scores = query.pick(cached_score, cache.position, scores, leaving.positions, update.positions,
+                                              update.query_attention, sinks, stop, picks, spans)
         np.put_along_axis(cached_score, slots, scores[..., :old_count], axis=2)
         new_statistics[SCORE][:, :, new_tokens] = scores[..., old_count:]
         return StatisticsUpdate(new_statistics, {**scorer_update.cached, SCORE: cached_score})

@@ -218,6 +218,10 @@ class LearnedScorer(TokenScorer):
         return self.runtime.spec.span_pooling
 
     @property
+    def shared_ranking(self) -> bool:
+        return self.runtime.spec.shared_ranking
+
+    @property
     def takes_pieces(self) -> bool:
         """Whether a chunk computed in pieces may go through the memory piece by piece (`take_piece`):
         not with the attention feature, whose statistic needs the whole chunk's attention."""

@@ -57,6 +57,11 @@ class TokenScorer(ABC):
         return False
 
     @property
+    def shared_ranking(self) -> bool:
+        """Whether every cache of the model ranks a token by one score (a span ranking needs it)."""
+        return False
+
+    @property
     def span_pooling(self) -> str:
         """How the kvpop policy ranks prompt tokens (kvpop.policies.kvpop.text_spans): "" by their own score,
         "line" / "line_contrast" by their line's: for a scorer whose one model-wide ranking was chosen that way."""

@@ -15,6 +15,10 @@ score (generated tokens compete with them). The scores fall by ~1.5 from the pro
 system prompt, an instruction) to its middle; by the plain mean those first lines outrank a needle in
 the middle and take the budget at high compression.
 
+"sentence" and "sentence_contrast" also end a span after every token that ends a sentence (".", "!",
+"?"), so a fact written inside a paragraph (a pasted document, an e-mail) is ranked as its own span
+instead of as a small part of a long one; on text with one fact a line they rank as the line poolings.
+
 Only the prompt is pooled (the engine knows its tokens when the request arrives): generated tokens,
 and positions whose score came from before this cache's spans were set (a session's earlier turns, a
 warm prefix), keep the priority they had.
@@ -26,7 +30,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-SPAN_POOLINGS = ("", "line", "line_contrast")
+from kvpop.policies.kvpop.kinds import query_bonus
+
+SPAN_POOLINGS = ("", "line", "line_contrast", "sentence", "sentence_contrast")
 MAX_SPAN = 48  # tokens: a longer line (a paragraph) is ranked in pieces of this length
 OWN_SHARE = 1e-3  # of a token's own score (relative to its line's mean) added to break ties inside a line
 CONTRAST_WIDTH = 384  # positions around a line whose scores it is measured against ("line_contrast")
@@ -49,15 +55,33 @@ def line_break_table(tokenizer, vocab_size: int) -> np.ndarray:
     return table
 
 
-_LINE_BREAKS: dict[tuple[int, int], tuple[object, np.ndarray]] = {}  # (id(tokenizer), V) -> (tokenizer, table)
+def sentence_end_table(tokenizer, vocab_size: int) -> np.ndarray:
+    """(V,) bool: whether each token ends a line or a sentence (its text, trailing spaces and closing
+    quotes or brackets left out, ends with ".", "!" or "?")."""
+    known = min(vocab_size, len(tokenizer)) if hasattr(tokenizer, "__len__") else vocab_size
+    table = np.zeros(vocab_size, dtype=bool)
+    texts = (tokenizer.decode([token]) for token in range(known))
+    table[:known] = ["\n" in text or text.rstrip().rstrip("\"')]").endswith((".", "!", "?")) for text in texts]
+    return table
+
+
+_TABLES: dict[tuple[str, int, int], tuple[object, np.ndarray]] = {}  # (kind, id(tokenizer), V) -> (tokenizer, table)
+
+
+def span_ends(tokenizer, vocab_size: int, pooling: str) -> np.ndarray:
+    """Where a span of `pooling` may end (`line_break_table` or `sentence_end_table`), computed once per
+    tokenizer (the tokenizer is kept with it, so its id stays its own)."""
+    kind = "sentence" if pooling.startswith("sentence") else "line"
+    key = (kind, id(tokenizer), vocab_size)
+    if key not in _TABLES:
+        table = sentence_end_table if kind == "sentence" else line_break_table
+        _TABLES[key] = (tokenizer, table(tokenizer, vocab_size))
+    return _TABLES[key][1]
 
 
 def line_breaks(tokenizer, vocab_size: int) -> np.ndarray:
-    """`line_break_table`, computed once per tokenizer (the tokenizer is kept with it, so its id stays its own)."""
-    key = (id(tokenizer), vocab_size)
-    if key not in _LINE_BREAKS:
-        _LINE_BREAKS[key] = (tokenizer, line_break_table(tokenizer, vocab_size))
-    return _LINE_BREAKS[key][1]
+    """`line_break_table`, computed once per tokenizer."""
+    return span_ends(tokenizer, vocab_size, "line")
 
 
 @dataclass
@@ -71,17 +95,18 @@ class TextSpans:
     _ranking: "tuple[np.ndarray, np.ndarray] | None" = field(default=None, init=False, repr=False)  # float32 line_values
 
     @classmethod
-    def of_prompt(cls, prompt_ids: "list[int] | np.ndarray", line_breaks: np.ndarray, pooling: str = "line",
+    def of_prompt(cls, prompt_ids: "list[int] | np.ndarray", span_ends: np.ndarray, pooling: str = "line",
                   max_span: int = MAX_SPAN) -> "TextSpans":
+        """`span_ends`: (V,) whether a span may end after each token (`span_ends(tokenizer, V, pooling)`)."""
         check_span_pooling(pooling, shared_ranking=True)
-        ends = line_breaks[np.asarray(prompt_ids, np.int64)]  # (P,) the line ends after this token
+        ends = span_ends[np.asarray(prompt_ids, np.int64)]  # (P,) the span ends after this token
         text_line = np.concatenate([[0], np.cumsum(ends[:-1], dtype=np.int64)]) if len(ends) else ends.astype(np.int64)
         offset = np.arange(len(ends)) - np.searchsorted(text_line, text_line)  # (P,) place in its text line
         span = np.cumsum(offset % max_span == 0) - 1  # (P,) a span starts each text line and every max_span tokens of it
         lines = int(span[-1]) + 1 if len(span) else 0
         line_start = np.searchsorted(span, np.arange(lines + 1))  # (lines + 1,) each line's first position, then P
         return cls(span, line_start, np.full(len(ends), np.nan, np.float32),
-                   CONTRAST_WIDTH if pooling == "line_contrast" else 0)
+                   CONTRAST_WIDTH if pooling.endswith("_contrast") else 0)
 
     @property
     def prompt_length(self) -> int:
@@ -124,4 +149,11 @@ class TextSpans:
             self._ranking = tuple(values.astype(np.float32) for values in self.line_values())
         mean, value = self._ranking
         pooled = value[line] + np.float32(OWN_SHARE) * (own - mean[line])
+        pooled += query_bonus(current)  # a token the question picked keeps its place (kvpop.policies.kvpop.query)
         return np.where(inside & ~np.isnan(own), pooled, current).astype(np.float32)
+
+    def segment_max(self, values: np.ndarray) -> np.ndarray:
+        """(..., P) -> (..., P): each prompt position takes the largest value of its span."""
+        if not self.prompt_length:
+            return values
+        return np.maximum.reduceat(values, self.line_start[:-1], axis=-1)[..., self.span]

@@ -1,0 +1,95 @@
+"""Query-aware selection: the question picks a share of the long-range slots when a prompt enters whole.
+
+With whole-prompt prefill the question is in the prompt when its one eviction happens. As SnapKV
+(Li et al., 2024) and kvpress's query-aware presses do, the attention of the prompt's last W queries
+(the question, the end of the user turn, the assistant header) says which earlier tokens the answer
+will read. The learned score keeps what is worth keeping for any question (a later turn's, a long
+answer's); the query attention finds what THIS question asks for, wherever it sits, inside running
+text too. KVpop keeps both: per KV head, the `share` of the long-range slots whose tokens the window's
+queries attend to most (summed over the window and the head's query group, then taken as the largest
+over each token's span, so a fact is kept whole) get `QUERY_BONUS` on their score; the learned
+ranking fills the rest and keeps deciding every later eviction among the unpicked tokens. The next
+prompt that enters whole (a session's next turn) takes the old picks back and picks again.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvpop.policies.kvpop.kinds import QUERY_BONUS, query_bonus
+
+if TYPE_CHECKING:
+    from kvpop.policies.kvpop.text_spans import TextSpans
+
+OWN_SHARE = 1e-3  # of a token's own attention, added to its pooled one to break ties
+NEIGHBOURS = 3  # without spans, a token takes the largest attention within this many positions (SnapKV's pooling)
+
+
+def attention_received(query_attention: np.ndarray) -> np.ndarray:
+    """(L, Hkv, G, W, C + T) -> (L, Hkv, C + T): what the window's queries of each KV head's group put on
+    each old slot and new token."""
+    return query_attention.sum(axis=(2, 3), dtype=np.float32)
+
+
+def pooled_by_position(received: np.ndarray, positions: np.ndarray, length: int, spans: "TextSpans | None") -> np.ndarray:
+    """(L, Hkv, N) attention received at `positions` (L, Hkv, N) -> each position's value pooled over its
+    neighbourhood: the largest over its prompt span, else over +-NEIGHBOURS positions."""
+    num_layers, num_kv_heads, _ = received.shape
+    dense = np.zeros((num_layers, num_kv_heads, length), np.float32)  # by position; evicted ones received 0
+    valid = positions >= 0
+    layer, head, _ = np.nonzero(valid)
+    dense[layer, head, positions[valid]] = received[valid]
+    if spans is not None and spans.prompt_length:
+        prompt = min(spans.prompt_length, length)
+        dense[..., :prompt] = spans.segment_max(dense[..., : spans.prompt_length])[..., :prompt]
+    else:
+        padded = np.pad(dense, ((0, 0), (0, 0), (NEIGHBOURS, NEIGHBOURS)))
+        dense = np.max([padded[..., shift : shift + length] for shift in range(2 * NEIGHBOURS + 1)], axis=0)
+    return np.take_along_axis(dense, np.where(valid, positions, 0), axis=2)
+
+
+def pick(
+    held_score: np.ndarray,  # (L, Hkv, C) the cached slots' scores after this append's ranking, old picks included
+    held_positions: np.ndarray,  # (L, Hkv, C) int64, -1 empty
+    leaving_score: np.ndarray,  # (L, Hkv, M) the leaving tokens' scores
+    leaving_positions: np.ndarray,  # (L, Hkv, M)
+    new_positions: np.ndarray,  # (T,) the append's positions, in the order of query_attention's new columns
+    query_attention: np.ndarray,  # (L, Hkv, G, W, C + T)
+    candidates_from: int,  # first position that is neither a sink nor ...
+    candidates_to: int,  # ... in the window after this append: [from, to) compete for the long-range slots
+    slots: int,  # how many of them get the bonus, per head
+    spans: "TextSpans | None",
+) -> tuple[np.ndarray, np.ndarray]:
+    """The held and leaving scores with the old picks taken back and this question's `slots` picks added."""
+    held_score = held_score - query_bonus(held_score)
+    leaving_score = leaving_score - query_bonus(leaving_score)
+    if slots <= 0:
+        return held_score, leaving_score
+    received = attention_received(query_attention)  # (L, Hkv, C + T)
+    new_positions = np.broadcast_to(new_positions, (*received.shape[:2], len(new_positions)))
+    every_position = np.concatenate([held_positions, new_positions], axis=2)
+    competing = (every_position >= candidates_from) & (every_position < candidates_to)
+    received = np.where(competing, received, np.float32(0))  # the sinks' and the window's attention spills onto no neighbour
+    pooled = pooled_by_position(received, every_position, int(every_position.max()) + 1, spans)
+    pooled += np.float32(OWN_SHARE) * received  # ties inside a span or a neighbourhood: its own attention first
+    by_position = np.full(pooled.shape[:2] + (int(every_position.max()) + 1,), -np.inf, np.float32)
+    layer, head, column = np.nonzero(every_position >= 0)
+    by_position[layer, head, every_position[layer, head, column]] = pooled[layer, head, column]
+
+    def value(positions: np.ndarray) -> np.ndarray:  # (L, Hkv, K) pooled attention, -inf for non-candidates
+        candidate = (positions >= candidates_from) & (positions < candidates_to)
+        looked_up = np.take_along_axis(by_position, np.clip(positions, 0, by_position.shape[2] - 1), axis=2)
+        return np.where(candidate, looked_up, -np.inf)
+
+    held_value, leaving_value = value(held_positions), value(leaving_positions)
+    # Leaving tokens that are also held (old slots leaving the window) count once: as leaving.
+    held_value = np.where(np.isin(held_positions, leaving_positions[0, 0]), -np.inf, held_value)
+    every_value = np.concatenate([held_value, leaving_value], axis=2)  # (L, Hkv, C + M)
+    slots = min(slots, every_value.shape[2])
+    threshold = -np.partition(-every_value, slots - 1, axis=2)[..., slots - 1 : slots]  # (L, Hkv, 1) the slots-th largest
+    threshold = np.where(np.isfinite(threshold), threshold, -np.finfo(np.float32).max)  # fewer candidates: every one
+    held_score = held_score + np.where(held_value >= threshold, QUERY_BONUS, np.float32(0))
+    leaving_score = leaving_score + np.where(leaving_value >= threshold, QUERY_BONUS, np.float32(0))
+    return held_score.astype(np.float32), leaving_score.astype(np.float32)

@@ -17,7 +17,7 @@ CONFIG ?= auto
 PID_FILE := run/tritonserver.pid
 
 .PHONY: help setup model export serve serve-bg stop test test-unit test-e2e clean reference-model eval-reference \
-	train-scorer eval-real tasks eval-sweep kvpress-env eval-kvpress speed speed-quick speed-real bench-service bench-sessions bench-steady bench-profile bench-overhead bench-openai loadtest \
+	train-scorer eval-real eval-prose eval-multiturn tasks eval-sweep kvpress-env eval-kvpress speed speed-quick speed-real bench-service bench-sessions bench-steady bench-profile bench-overhead bench-openai loadtest \
 	system-deps image image-lb test-cluster load-time test-faults test-fuzz stress soak docs-results publish-results
 
 REFERENCE := models/reference
@@ -171,17 +171,37 @@ REAL_TASK_FAMILIES ?= passkey,multikey,multivalue,vartrack,qa
 REAL_MAX_TOKENS ?= 32
 REAL_QUALITY_DIR ?= $(RESULTS_OUT)
 REAL_POLICIES ?=# comma-separated, e.g. kvpop:mlstm,streaming; empty: every policy
+REAL_COMPRESSIONS ?=# comma-separated, e.g. 0.75,0.88,0.94; empty: the sweep's default
+comma := ,
+REAL_TASK_SET ?= real# names the result folders; any other set also prefixes its task files (eval-prose: prose)
 
 eval-real: setup  ## [evaluate] English RULER-like tasks (REAL_TASK_NUM per length, REAL_TASK_LENGTHS) x every policy on the exported model: build/results/quality-real-<tokens>/
 	@test -f model_repository/kvpop_engine/1/model_spec.json || { echo "no exported model: run 'make export' first"; exit 1; }
 	@for tokens in $(REAL_TASK_LENGTHS); do \
-		tasks=build/real-tasks/$(REAL_TASK_SPLIT)-$$tokens.jsonl; \
+		tasks=build/real-tasks/$(if $(filter-out real,$(REAL_TASK_SET)),$(REAL_TASK_SET)-)$(REAL_TASK_SPLIT)-$$tokens.jsonl; \
 		$(PY) -m kvpop_eval.english_tasks write --model $(or $(MODEL),$(REAL_MODEL)) --split $(REAL_TASK_SPLIT) \
 			--context-tokens $$tokens --num $(REAL_TASK_NUM) --families $(REAL_TASK_FAMILIES) --out $$tasks && \
 		$(PY) -m kvpop_eval.quality --model model_repository/kvpop_engine/1 --tasks $$tasks --sweep --scoring contains \
+			$(if $(REAL_COMPRESSIONS),--compressions 0$(comma)$(REAL_COMPRESSIONS)) \
 			--max-tokens $(REAL_MAX_TOKENS) --window $(REAL_KV_WINDOW) $(if $(REAL_POLICIES),--policies $(REAL_POLICIES)) \
-			--out-dir $(REAL_QUALITY_DIR)/quality-real-$$tokens || exit 1; \
+			--out-dir $(REAL_QUALITY_DIR)/quality-$(REAL_TASK_SET)-$$tokens || exit 1; \
 	done
+
+PROSE_POLICIES ?= kvpop:mlstm,streaming,h2o,tova
+PROSE_COMPRESSIONS ?= 0.75,0.88,0.94
+eval-prose: setup  ## [evaluate] the prose families (facts inside paragraphs, two facts asked together) at 2,048 and 4,096 tokens: build/results/quality-prose-<tokens>/
+	$(MAKE) eval-real REAL_TASK_SET=prose REAL_TASK_FAMILIES=prose_passkey,prose_multikey,prose_multi REAL_TASK_LENGTHS="2048 4096" \
+		REAL_TASK_NUM=48 REAL_POLICIES=$(PROSE_POLICIES) REAL_COMPRESSIONS=$(PROSE_COMPRESSIONS)
+
+MULTITURN_SPLIT ?= test
+MULTITURN_NUM ?= 24
+MULTITURN_TURNS ?= 12
+eval-multiturn: setup  ## [evaluate] chats whose first turn's fact is asked MULTITURN_TURNS turns later, through sessions, full vs kvpop 88%: build/results/multiturn/
+	@test -f model_repository/kvpop_engine/1/model_spec.json || { echo "no exported model: run 'make export' first"; exit 1; }
+	$(PY) -m kvpop_eval.multiturn write --split $(MULTITURN_SPLIT) --num $(MULTITURN_NUM) --turns $(MULTITURN_TURNS) \
+		--out build/real-tasks/multiturn-$(MULTITURN_SPLIT).jsonl
+	$(PY) -m kvpop_eval.multiturn run --model model_repository/kvpop_engine/1 --tasks build/real-tasks/multiturn-$(MULTITURN_SPLIT).jsonl \
+		--policies full,kvpop:mlstm,streaming --compressions 0.88 --out-dir $(RESULTS_OUT)/multiturn
 
 tasks: setup  ## write 200 reference tasks of TASK_SPLIT (default heldout) at TASK_TOKENS (default 2048) to build/tasks/
 	$(PY) -m kvpop_eval.tasks write --split $(TASK_SPLIT) --num 200 --context-tokens $(TASK_TOKENS) $(if $(TASK_FACTS),--num-facts $(TASK_FACTS)) --out $(TASKS_FILE)

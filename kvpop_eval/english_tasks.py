@@ -22,9 +22,9 @@ Prose families: the same kind of facts written INSIDE haystack paragraphs (each 
 sentences of a paragraph, so no line break is near it), as in a pasted document, an e-mail or a
 transcript. A cache that ranks the prompt line by line sees such a fact only as a small part of a long
 paragraph:
-  prose_passkey  one pass key inside a paragraph
-  prose_qa       6 people (job, city), each inside a different paragraph; asks one person's city
-  prose_multi    4 people inside paragraphs; asks two people's cities together (both must be answered)
+  prose_passkey   one pass key inside a paragraph
+  prose_multikey  6 keys with a magic number each, each inside a different paragraph; asks for one key's number
+  prose_multi     two pass keys (a first and a second) inside paragraphs, asked together (both must be answered)
 
 The user turn is RULER's shape: a statement of what is hidden (never the key asked for), the haystack
 with the needles, then the question. A record is {"prompt", "context", "question", "answer" (a string,
@@ -48,7 +48,7 @@ from typing import Callable
 
 SPLITS = ("train", "validation", "test")
 FAMILIES = ("passkey", "multikey", "multivalue", "vartrack", "qa")  # needles on lines of their own
-PROSE_FAMILIES = ("prose_passkey", "prose_qa", "prose_multi")  # needles inside paragraphs
+PROSE_FAMILIES = ("prose_passkey", "prose_multikey", "prose_multi")  # needles inside paragraphs
 ALL_FAMILIES = FAMILIES + PROSE_FAMILIES
 CONTEXT_LENGTHS = (1024, 2048, 4096)
 SPLIT_SHARES = (0.6, 0.2, 0.2)
@@ -125,9 +125,8 @@ TASK_STATEMENTS = {
     "qa": "Facts about people, their jobs and their cities are hidden in the text below. Memorize them; I will ask you about one person afterwards.",
 }
 TASK_STATEMENTS["prose_passkey"] = TASK_STATEMENTS["passkey"]
-TASK_STATEMENTS["prose_qa"] = TASK_STATEMENTS["qa"]
-TASK_STATEMENTS["prose_multi"] = ("Facts about people, their jobs and their cities are hidden in the text below. "
-                                  "Memorize them; I will ask you about two people afterwards.")
+TASK_STATEMENTS["prose_multikey"] = TASK_STATEMENTS["multikey"]
+TASK_STATEMENTS["prose_multi"] = "There are two pass keys hidden in the text below. Memorize them; I will ask you for both afterwards."
 _SENTENCE_END = re.compile(r"(?<=[.!?]) (?=[A-Z\"(])")  # where a haystack paragraph's sentences meet
 
 
@@ -141,7 +140,7 @@ def make_needles(family: str, split: str, rng: random.Random) -> Needles:
     among them (RULER queries a random key): were it always first, a cache that keeps early lines would
     answer without knowing the question. A chain (vartrack) keeps its order."""
     needles = _needles_in_question_order(family, split, rng)
-    if family in ("multikey", "multivalue", "qa", "prose_qa", "prose_multi"):
+    if family in ("multikey", "multivalue", "qa", "prose_multikey"):
         rng.shuffle(needles.sentences)
     return needles
 
@@ -180,14 +179,12 @@ def _needles_in_question_order(family: str, split: str, rng: random.Random) -> N
         return Needles(sentences, f"In which city does {people[0]} work? Answer with the city only.", cities[0])
     if family == "prose_passkey":
         return _needles_in_question_order("passkey", split, rng)
-    if family == "prose_qa":
-        return _needles_in_question_order("qa", split, rng)
+    if family == "prose_multikey":
+        return _needles_in_question_order("multikey", split, rng)
     if family == "prose_multi":
-        people = rng.sample(_pool("person", split), 4)
-        cities = rng.sample(_pool("city", split), 4)
-        jobs = [rng.choice(_JOBS) for _ in people]
-        sentences = [f"{person} works as a {job} in the city of {city}." for person, job, city in zip(people, jobs, cities)]
-        return Needles(sentences, f"In which cities do {people[0]} and {people[1]} work? Answer with the two cities only.", cities[:2])
+        first, second = _number(rng), _number(rng)
+        return Needles([f"The first pass key is {first}. Remember it.", f"The second pass key is {second}. Remember it."],
+                       "What are the first and the second pass keys? Answer with the two numbers only.", [first, second])
     raise ValueError(f"unknown family {family!r}; expected one of {ALL_FAMILIES}")
 
 

@@ -24,7 +24,7 @@ from kvpop.cache.prefix_cache import PrefixCache
 from kvpop.decoder import DecoderStep
 from kvpop.engine.config import EngineConfig
 from kvpop.engine.runner import ModelRunner
-from kvpop.engine.scheduler import Scheduler, reads_attention
+from kvpop.engine.scheduler import Scheduler
 from kvpop.engine.sequence import EngineState, Phase, Sequence, SequenceState
 from kvpop.policies import TokenScorer, load_learned_scorers
 from kvpop.request import NO_TOKEN, CacheConfig, FinishReason, GenerationRequest, GenerationResult, TokenEvent

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvpop_eval.english_tasks import FAMILIES, SPLITS, TASK_STATEMENTS, _pool, generate_task, haystack_paragraphs, write_tasks
+from kvpop_eval.english_tasks import FAMILIES, PROSE_FAMILIES, SPLITS, TASK_STATEMENTS, _pool, generate_task, haystack_paragraphs, write_tasks
 
 
 def count_words(text: str) -> int:
@@ -164,3 +164,29 @@ def test_sweeps_of_the_same_tasks_merge_into_one_table(tmp_path):
     (second / "sweep.json").write_text(json.dumps({**header, "tasks_sha256": "other", "results": []}))
     with pytest.raises(ValueError, match="different"):
         merge_sweeps([first, second], tmp_path / "merged")
+
+
+@pytest.mark.parametrize("family", PROSE_FAMILIES)
+def test_prose_families_write_each_fact_inside_a_paragraph(family):
+    """A prose needle sits between two sentences of a haystack paragraph: text runs on before and after
+    it, with no line break near, and the rest of the paragraph is the split's own haystack."""
+    task = generate_task(family, "validation", 2, 1024, count_words)
+    answers = task["answer"] if isinstance(task["answer"], list) else [task["answer"]]
+    assert task == generate_task(family, "validation", 2, 1024, count_words)
+    assert 1024 * 0.9 <= count_words(task["context"] + task["question"]) <= 1024 * 1.05
+    paragraphs = task["context"].split("\n\n")
+    assert paragraphs[0] == TASK_STATEMENTS[family]
+    for answer in answers:
+        host = next(paragraph for paragraph in paragraphs if answer in paragraph)
+        before, _, after = host.partition(answer)
+        assert len(before.split()) >= 8 and len(after.split()) >= 8  # running text around the fact
+        assert not any(answer in line and line.strip() == host.strip() and len(line.split()) < 20 for line in paragraphs)
+    assert not any(answer in task["question"] for answer in answers)
+
+
+def test_every_family_is_written_by_the_cli(tmp_path):
+    from kvpop_eval.english_tasks import main
+
+    out = tmp_path / "tasks.jsonl"
+    assert main(["write", "--split", "test", "--num", "3", "--context-tokens", "1024", "--families", ",".join(PROSE_FAMILIES), "--out", str(out)]) == 0
+    assert [json.loads(line)["family"] for line in out.read_text().splitlines()] == list(PROSE_FAMILIES)

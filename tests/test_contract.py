@@ -73,7 +73,7 @@ def test_error_kinds_map_to_each_transport():
 
 @pytest.mark.parametrize("finish_reason", [None, "length"])
 def test_worker_outputs_follow_the_contract(finish_reason):
-    from kvpop.serving.worker import output_tensors
+    from kvpop.serving.responses import output_tensors
 
     tensors = output_tensors("hi", [7], finish_reason, 3, 1)
     expected = [spec for spec in contract.OUTPUTS if spec.streamed or finish_reason is not None]

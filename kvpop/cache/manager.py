@@ -2,9 +2,9 @@
 
 Why a facade (as vLLM's `kv_cache_manager.py` over `block_pool.py`): the engine schedules requests and
 runs the decoder; where keys and values live, how big they may get and how they are kept across turns
-is one concern. The engine, admission and the serving layer talk to this class (and its sizing
-functions) alone for cache things and get small results back (`Allocation`, `GenerationResult`, the
-decoder's past arrays), never the pool, the store or a policy's internals.
+is one concern. The engine, admission and the serving layer talk to this class alone for cache things
+and get small results back (`Allocation`, `Reservation`, `GenerationResult`, the decoder's past arrays),
+never the pool, the ledger, the store or a policy's internals.
 
 What it owns:
   - the slot caches of running sequences, by request id (`allocate` / `finish` / `free`), each with
@@ -12,8 +12,9 @@ What it owns:
   - the batch pool whose rows the decoding caches view (zero-copy), and the device mirror of that
     pool when the decoder keeps the cache in device memory (`DeviceKVStore`, built by the decoder,
     which knows its provider; synced only here);
-  - admission sizing: the slots a request's storage can take, in whole `GROWTH_BLOCK`s
-    (`slots_needed`, `round_up_slots`, `padded_bytes`: what `kvpop.serving.admission` reserves);
+  - the instance's KV memory: what admission reserves for each request (`reserve` / `prefill_done` /
+    `release`, sized here: storage in whole `GROWTH_BLOCK`s, plus a whole-prompt prefill's prompt until
+    its first token; `kvpop.cache.reservations`) and what the engine holds (`observe_in_use`);
   - the session store (hot / warm / cold tiers, `kvpop.sessions.store`): `save_session`,
     `restore_session` (inside `allocate`), `close_session`; snapshots by `kvpop.cache.snapshot`;
   - the warm prefixes (`kvpop.cache.prefix_cache`): `save_prefix` at load, a copy of the longest
@@ -40,13 +41,14 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from kvpop.cache.pool import BatchSlotPool, padded_bytes
+from kvpop.cache.pool import BatchSlotPool
 from kvpop.cache.prefix_cache import PrefixCache
-from kvpop.cache.slot_cache import GROWTH_BLOCK, SlotCache, round_up_slots
+from kvpop.cache.reservations import KVReservations, Reservation, reserved_slots, storage_slots
+from kvpop.cache.slot_cache import GROWTH_BLOCK, SlotCache
 from kvpop.model_spec import ModelSpec
 from kvpop.policies import POLICIES, EvictionPolicy
 from kvpop.request import FinishReason, GenerationResult, Tier
@@ -78,17 +80,6 @@ class Allocation:
     prefix_tokens_reused: int = 0  # of `tokens_reused`, those that came from a warm prefix
 
 
-def reserved_slots(budget: int | None, prompt_tokens: int, max_tokens: int) -> int:
-    """Slots per head a sequence can ever hold: every token it sees, at most its budget."""
-    tokens = prompt_tokens + max_tokens
-    return tokens if budget is None else min(budget, tokens)
-
-
-def slots_needed(config: "CacheConfig", prompt_tokens: int, max_tokens: int) -> int:
-    """The storage (slots per head, whole growth blocks) admission reserves for such a request."""
-    return round_up_slots(reserved_slots(config.resolve_budget(prompt_tokens, max_tokens), prompt_tokens, max_tokens))
-
-
 class CacheManager:
     """Every running sequence's slot cache, the batch pool they share and the sessions kept after them.
 
@@ -102,7 +93,12 @@ class CacheManager:
         learned_scorers: "dict[str, TokenScorer] | None" = None,
         prefixes: PrefixCache | None = None,
         tokenizer: Any = None,
+        reservations: KVReservations | None = None,
+        prefills_whole: "Callable[[EvictionPolicy, int | None, int], bool] | None" = None,
     ) -> None:
+        """`reservations`: the instance's KV pool ledger (it outlives an engine; None: an unlimited one).
+        `prefills_whole(policy, budget, prompt_tokens)`: the scheduler's word on whether a cache takes its
+        prompt in one chunk (None: never), which decides what a reservation holds until the first token."""
         self.spec = spec
         self.tokenizer = tokenizer  # what policies that read the prompt's text see it with (None: none)
         self.dtype = np.dtype(spec.dtype)
@@ -117,6 +113,8 @@ class CacheManager:
         # The last decode step's vectorised groups (EvictionPolicy.append_decode_group) by group key: kept
         # so the next step with the same caches does not stack their per-slot arrays again.
         self._decode_groups: dict = {}
+        self.reservations = reservations if reservations is not None else KVReservations(None, spec)
+        self._prefills_whole = prefills_whole
         for policy in POLICIES.values():
             policy.prepare(self.learned_scorers, tokenizer, spec.vocab_size)
 
@@ -128,6 +126,52 @@ class CacheManager:
     def policy_for(self, config: "CacheConfig") -> EvictionPolicy:
         """A new policy instance for a cache of this configuration."""
         return config.build_policy(self.learned_scorers)
+
+    # -- KV memory reserved at admission (kvpop.cache.reservations) ------------------------------
+
+    def slots_needed(self, request: "GenerationRequest", budget: int | None = None) -> int:
+        """Storage slots per head the request's cache can take (at `budget` instead of its own, if given)."""
+        prompt, max_tokens = len(request.prompt_ids), request.sampling.max_tokens
+        return storage_slots(request.cache.resolve_budget(prompt, max_tokens) if budget is None else budget, prompt, max_tokens)
+
+    def prefill_slots(self, request: "GenerationRequest") -> int:
+        """Slots per head its prefill holds beyond its cache until its first token: its whole prompt when
+        its bounded cache prefills it whole, else 0 (a staged chunk of at most `prefill_chunk` tokens is
+        the pool's headroom). Size it once per request: it builds the request's policy."""
+        prompt = len(request.prompt_ids)
+        budget = request.cache.resolve_budget(prompt, request.sampling.max_tokens)
+        whole = self._prefills_whole is not None and self._prefills_whole(self.policy_for(request.cache), budget, prompt)
+        return prompt if whole else 0
+
+    def holds_alone(self, request: "GenerationRequest", budget: int | None = None) -> bool:
+        """Whether the request's cache (at `budget`, if given) fits the KV pool with nothing else running."""
+        return self.reservations.holds_alone(self.slots_needed(request, budget))
+
+    def reserve(self, request: "GenerationRequest", prefill_slots: int = 0, budget: int | None = None) -> Reservation | None:
+        """Reserve the request's cache (at `budget` instead of its own, if given) and `prefill_slots`
+        until `prefill_done`, if they fit the KV pool now; None: nothing reserved."""
+        slots = self.slots_needed(request, budget)
+        if not self.reservations.fits(slots, prefill_slots):
+            return None
+        return self.reservations.add(Reservation(request.request_id, slots, prefill_slots))
+
+    def prefill_done(self, request_id: str) -> None:
+        """The request's first token: its whole-prompt prefill no longer holds the prompt."""
+        self.reservations.prefill_done(request_id)
+
+    def release(self, request_id: str) -> None:
+        """The request ended (or never started): its reservation goes."""
+        self.reservations.release(request_id)
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.reservations.reserved_bytes
+
+    def observe_in_use(self) -> int:
+        """Bytes held now (running sequences and hot sessions), recorded for the next reservations; call
+        it from the step thread after a step."""
+        self.reservations.in_use_bytes = self.kv_bytes_in_use + self.hot_session_bytes
+        return self.reservations.in_use_bytes
 
     # -- running sequences ----------------------------------------------------------------------
 
@@ -298,7 +342,4 @@ class CacheManager:
         return self.sessions.hot_bytes if self.sessions is not None else 0
 
 
-__all__ = [
-    "GROWTH_BLOCK", "Allocation", "CacheManager", "PrefixCache", "append_output", "padded_bytes", "reserved_slots", "round_up_slots",
-    "slots_needed",
-]
+__all__ = ["GROWTH_BLOCK", "Allocation", "CacheManager", "KVReservations", "PrefixCache", "Reservation", "append_output"]

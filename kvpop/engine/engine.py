@@ -19,7 +19,7 @@ from collections import deque
 from pathlib import Path
 from typing import Protocol
 
-from kvpop.cache.manager import CacheManager
+from kvpop.cache.manager import CacheManager, KVReservations
 from kvpop.cache.prefix_cache import PrefixCache
 from kvpop.decoder import DecoderStep
 from kvpop.engine.config import EngineConfig
@@ -46,17 +46,21 @@ class Engine:
         learned_scorers: dict[str, TokenScorer] | None = None,
         sessions: SessionStore | None = None,
         prefixes: PrefixCache | None = None,
+        reservations: KVReservations | None = None,
     ) -> None:
         """`config`: how it batches and schedules. `learned_scorers`: the model's kvpop scorers by kind,
         shared by its sequences; `tokenizer`: for stop strings (and policies that read the prompt's text).
-        `sessions` and `prefixes` outlive an engine (a service restarts its engine after a failure)."""
+        `sessions`, `prefixes` and `reservations` (the KV pool's ledger, where a server reserves its
+        requests' memory through the cache manager) outlive an engine (a service restarts its engine
+        after a failure)."""
         self.config = config or EngineConfig()
         self.decoder = decoder
         self.spec = decoder.spec
         self.tokenizer = tokenizer
         self.learned_scorers = learned_scorers or {}
-        self.cache_manager = CacheManager(self.spec, decoder.device_store, sessions, self.learned_scorers, prefixes, tokenizer)
         self.scheduler = Scheduler(self.config, decoder.has_mixed_step)
+        self.cache_manager = CacheManager(self.spec, decoder.device_store, sessions, self.learned_scorers, prefixes, tokenizer,
+                                          reservations, self.scheduler.prefills_whole)
         self.runner = ModelRunner(decoder, self.cache_manager)
         self._lock = threading.Lock()  # guards _waiting, _cancelled, _finished, _request_ids
         self._waiting: deque[GenerationRequest] = deque()
@@ -148,14 +152,6 @@ class Engine:
         """Key/value bytes of the running sequences: the batch pool, caches being prefilled, and the
         chunks they are prefilling (a whole prompt while it is computed in pieces)."""
         return self.cache_manager.kv_bytes_in_use
-
-    def prefill_slots(self, request: GenerationRequest) -> int:
-        """Slots per head a request's prefill holds beyond its cache until its first token: its whole
-        prompt when its bounded cache prefills it whole (`whole_prompt_tokens`), else 0 (a staged chunk
-        of at most `prefill_chunk` tokens is the pool's headroom). Admission reserves it meanwhile."""
-        prompt = len(request.prompt_ids)
-        budget = request.cache.resolve_budget(prompt, request.sampling.max_tokens)
-        return prompt if self.scheduler.prefills_whole(self.cache_manager.policy_for(request.cache), budget, prompt) else 0
 
     @property
     def hot_session_bytes(self) -> int:

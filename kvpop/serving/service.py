@@ -14,6 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from kvpop.cache.prefix_cache import PrefixCache
+from kvpop.cache.reservations import KVReservations
 from kvpop.decoder import DecoderStep
 from kvpop.engine import Engine, EngineConfig, load_learned_scorers
 from kvpop.policies import POLICIES
@@ -59,9 +60,8 @@ class KVpopService:
             self.kvpop_scorer = default_scorer(config.kvpop_scorer, self.learned_scorers)
         except ValueError as error:
             raise ValueError(f"parameter kvpop_scorer: {error}") from None
-        admission = KVPoolAdmission(
-            AdmissionPolicy(config.kv_pool_mb * 2**20, config.min_kv_budget, config.max_queue_size), self.decoder.spec
-        )
+        admission = KVPoolAdmission(AdmissionPolicy(config.min_kv_budget, config.max_queue_size))
+        self.reservations = KVReservations(self.kv_capacity_bytes, self.decoder.spec)  # outlives engine restarts
         self.sessions = self._session_store(Path(model_dir), config)
         self.prefixes = PrefixCache()
         self._warm_prefixes()
@@ -79,7 +79,7 @@ class KVpopService:
             prefill_pacing=self.config.prefill_pacing or None,
         )
         return Engine(self.decoder, config, tokenizer=self.tokenizer, learned_scorers=self.learned_scorers,
-                      sessions=self.sessions, prefixes=self.prefixes)
+                      sessions=self.sessions, prefixes=self.prefixes, reservations=self.reservations)
 
     def _warm_prefixes(self) -> None:
         """Prefill the configured warm prefixes (before the worker starts: the engine is not shared)."""

@@ -17,13 +17,14 @@ from typing import Callable, Protocol
 import numpy as np
 
 from kvpop.engine import Engine
-from kvpop.request import NO_TOKEN, GenerationResult, TokenEvent
+from kvpop.request import NO_TOKEN, TokenEvent
 from kvpop.serving.admission import Admission, KVPoolAdmission, OverloadedError
-from kvpop.serving.contract import OUTPUTS, ErrorKind
+from kvpop.serving.contract import ErrorKind
 from kvpop.serving.detokenizer import IncrementalDetokenizer
 from kvpop.serving.drain import DrainSignal
 from kvpop.serving.metrics import NullMetrics
 from kvpop.serving.request import InvalidRequestError, ParsedRequest
+from kvpop.serving.responses import output_tensors
 
 
 class ResponseChannel(Protocol):
@@ -36,49 +37,11 @@ class ResponseChannel(Protocol):
     def is_cancelled(self) -> bool: ...
 
 
-def output_tensors(
-    text: str,
-    output_ids: list[int],
-    finish_reason: str | None,
-    num_input_tokens: int,
-    num_output_tokens: int,
-    result: GenerationResult | None = None,
-) -> dict[str, np.ndarray]:
-    """One response's tensors as kvpop.serving.contract.OUTPUTS declares them, each with Triton's
-    leading batch dimension of 1: (1, 1), output_ids (1, N).
-
-    A streamed token's response (no `finish_reason` yet) carries the `streamed` outputs only (text,
-    token, counts); the cache statistics come with the last response (zeros if the request never
-    started). Why: every tensor is built here, copied through the Python backend's shared memory and
-    encoded by the front end once per token per stream; eight constant tensors per token were most of it.
-    """
-    values = {
-        "text_output": text.encode("utf-8"),
-        "output_ids": output_ids,
-        "finish_reason": (finish_reason or "").encode(),
-        "num_input_tokens": num_input_tokens,
-        "num_output_tokens": num_output_tokens,
-    }
-    if finish_reason is not None:
-        values.update({
-            "kv_budget": result.budget if result else 0,
-            "peak_kv_bytes": result.peak_kv_bytes if result else 0,
-            "tokens_evicted": result.tokens_evicted if result else 0,
-            "compression": result.compression if result else 0.0,
-            "tokens_reused": result.tokens_reused if result else 0,
-            "tokens_computed": num_input_tokens - result.tokens_reused if result else 0,
-        })
-    return {
-        spec.name: np.array(values[spec.name], dtype=spec.numpy_dtype).reshape(1, -1)
-        for spec in OUTPUTS if spec.streamed or finish_reason is not None
-    }
-
-
 @dataclass
 class _Pending:
     parsed: ParsedRequest
     channel: ResponseChannel
-    prefill_slots: int = 0  # what its prefill holds beyond its cache until its first token (Engine.prefill_slots)
+    prefill_slots: int = 0  # what its prefill holds beyond its cache until its first token (CacheManager.prefill_slots)
     arrived: float = field(default_factory=time.perf_counter)
 
 
@@ -115,7 +78,7 @@ class EngineWorker:
         self.drain = drain or DrainSignal(None)
         self._condition = threading.Condition()
         # Guarded by _condition: requests waiting for KV memory (FIFO), admitted ones not yet started,
-        # and the admission bookkeeping itself (Triton threads admit in `submit`).
+        # and the cache manager's reservations (Triton threads admit in `submit`).
         self._queue: deque[_Pending] = deque()
         self._ready: list[_Active] = []
         self._active: dict[str, _Active] = {}  # worker thread only
@@ -138,14 +101,15 @@ class EngineWorker:
         queue is full, InvalidRequestError if it can never fit this instance's KV pool."""
         if self.drain.draining:
             raise OverloadedError("the server is shutting down; retry on another replica")
-        if not self.admission.fits_when_idle(parsed.generation):
+        manager = self.engine.cache_manager
+        if not self.admission.fits_when_idle(manager, parsed.generation):
             raise InvalidRequestError(
-                f"request needs {self.admission.slots_needed(parsed.generation)} KV slots per head, more "
+                f"request needs {manager.slots_needed(parsed.generation)} KV slots per head, more "
                 f"than this instance's KV pool holds; lower max_tokens or choose a bounded eviction_policy"
             )
-        pending = _Pending(parsed, channel, self.engine.prefill_slots(parsed.generation))
+        pending = _Pending(parsed, channel, manager.prefill_slots(parsed.generation))
         with self._condition:
-            admission = None if self._queue else self.admission.try_admit(parsed.generation, pending.prefill_slots)
+            admission = None if self._queue else self.admission.try_admit(manager, parsed.generation, pending.prefill_slots)
             if admission is not None:
                 self._ready.append(self._activate(pending, admission))
             elif len(self._queue) >= self.admission.policy.max_queue_size:
@@ -199,12 +163,11 @@ class EngineWorker:
                 if event.request_id in self._active:
                     self.engine.cancel(event.request_id)
                     self._finish_with_error(event.request_id, f"internal error: {error}", ErrorKind.INTERNAL)
-        in_use = self.engine.kv_bytes_in_use + self.engine.hot_session_bytes  # the hot session tier lives in the KV pool
+        in_use = self.engine.cache_manager.observe_in_use()  # the hot session tier lives in the KV pool too
         if self.engine.sessions is not None:
             self.metrics.observe_sessions(self.engine.sessions)
         with self._condition:
-            self.admission.observe_engine(in_use)
-            reserved, queued = self.admission.reserved_bytes, len(self._queue)
+            reserved, queued = self.engine.cache_manager.reserved_bytes, len(self._queue)
         self.metrics.observe_step(
             batch_size=sum(1 for event in events if event.token_id != NO_TOKEN),  # sequences that got a token
             kv_bytes_in_use=in_use,
@@ -227,7 +190,7 @@ class EngineWorker:
         with self._condition:
             waiting = [pending.channel for pending in self._queue] + [active.pending.channel for active in self._ready]
             for active in self._ready:
-                self.admission.release(active.admission.request.request_id)
+                self.engine.cache_manager.release(active.admission.request.request_id)
             self._queue.clear()
             self._ready = []
         for channel in waiting:
@@ -252,7 +215,7 @@ class EngineWorker:
                 except Exception:  # the client is gone
                     pass
                 continue
-            admission = self.admission.try_admit(pending.parsed.generation, pending.prefill_slots)
+            admission = self.admission.try_admit(self.engine.cache_manager, pending.parsed.generation, pending.prefill_slots)
             if admission is None:
                 break
             self._queue.popleft()
@@ -266,7 +229,7 @@ class EngineWorker:
 
     def _release(self, request_id: str) -> None:
         with self._condition:
-            self.admission.release(request_id)
+            self.engine.cache_manager.release(request_id)
 
     def _start(self, active: _Active) -> None:
         request = active.admission.request
@@ -307,7 +270,7 @@ class EngineWorker:
                 active.first_token_at = now
                 self.metrics.observe_first_token(now - active.pending.arrived)
                 with self._condition:
-                    self.admission.prefill_done(event.request_id)
+                    self.engine.cache_manager.prefill_done(event.request_id)
         if not event.finished:
             if parsed.stream:
                 tensors = output_tensors(delta, [event.token_id], None, len(parsed.generation.prompt_ids),

@@ -47,7 +47,7 @@ from pathlib import Path
 import numpy as np
 from kvpop_eval.provenance import stamp
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 SYSTEMS = ("full", "kvpop", "classic")
 COMPRESSION = 0.88
 # What a kvpop request asks for: 88% by default; `--kvpop-budget N` asks for N slots per head instead

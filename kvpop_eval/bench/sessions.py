@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from kvpop_eval.provenance import stamp
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 MODES = ("session", "whole history")
 
 

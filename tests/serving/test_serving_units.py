@@ -8,6 +8,8 @@ from transformers import AutoTokenizer
 
 from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
 from kvpop.model_spec import ModelSpec
+from kvpop.cache.manager import CacheManager
+from kvpop.cache.reservations import KVReservations
 from kvpop.serving.admission import AdmissionPolicy, KVPoolAdmission
 from kvpop.serving.config import ServiceConfig
 from kvpop.serving.detokenizer import IncrementalDetokenizer
@@ -22,33 +24,50 @@ def request(policy="full", budget=None, prompt=40, max_tokens=2000, request_id="
                              CacheConfig(policy, budget=budget))
 
 
-def admission(slots: int, floor: int = 64, queue: int = 2) -> KVPoolAdmission:
-    return KVPoolAdmission(AdmissionPolicy(slots * SPEC.kv_bytes_per_token, floor, queue), SPEC)
+class Pool:
+    """Admission over a cache manager whose KV pool holds `slots` slots per head (what the worker pairs)."""
+
+    def __init__(self, slots: int, floor: int = 64, queue: int = 2) -> None:
+        self.manager = CacheManager(SPEC, reservations=KVReservations(slots * SPEC.kv_bytes_per_token, SPEC))
+        self.admission = KVPoolAdmission(AdmissionPolicy(floor, queue))
+
+    def try_admit(self, request: GenerationRequest, prefill_slots: int = 0):
+        return self.admission.try_admit(self.manager, request, prefill_slots)
+
+    def fits_when_idle(self, request: GenerationRequest) -> bool:
+        return self.admission.fits_when_idle(self.manager, request)
 
 
 def test_admission_reserves_the_padded_batch_pool():
-    pool = admission(slots=1024)
+    pool = Pool(slots=1024)
     assert pool.try_admit(request("streaming", 256, request_id="a")).slots == 256
     assert pool.try_admit(request("streaming", 256, request_id="b")).slots == 256
-    assert pool.reserved_bytes == 2 * 256 * 512
+    assert pool.manager.reserved_bytes == 2 * 256 * 512
     # A third sequence of 320 slots pads every row to 320 (3 x 320 = 960 <= 1024) ...
     assert pool.try_admit(request("h2o", 320, request_id="c")).slots == 320
     # ... and a fourth of 64 would need 4 x 320 slots: it may not be degraded below 64, so it waits.
     assert pool.try_admit(request("tova", 64, request_id="d")) is None
-    pool.release("c")
+    pool.manager.release("c")
     assert pool.try_admit(request("tova", 64, request_id="d")).slots == 64
 
 
 def test_full_cache_needs_prompt_plus_max_tokens_and_is_never_degraded():
-    pool = admission(slots=256)
-    assert pool.slots_needed(request("full", prompt=100, max_tokens=100)) == 256  # 200 rounded up to blocks
+    pool = Pool(slots=256)
+    assert pool.manager.slots_needed(request("full", prompt=100, max_tokens=100)) == 256  # 200 rounded up to blocks
     assert pool.try_admit(request("full", prompt=100, max_tokens=100, request_id="a")) is not None
     assert pool.try_admit(request("full", prompt=10, max_tokens=10, request_id="b")) is None
     assert not pool.fits_when_idle(request("full", prompt=300, max_tokens=10))
 
 
+def test_a_bounded_request_fits_when_idle_at_the_floor():
+    pool = Pool(slots=256, floor=128)
+    assert pool.fits_when_idle(request("kvpop", 1024, prompt=900))  # degraded to 128 slots, alone
+    assert not Pool(slots=64, floor=128).fits_when_idle(request("kvpop", 1024, prompt=900))
+    assert Pool(slots=64, floor=128).fits_when_idle(request("kvpop", 64, prompt=900))  # asks for less than the floor
+
+
 def test_a_tight_pool_degrades_bounded_requests_down_to_the_floor():
-    pool = admission(slots=2048, floor=256)
+    pool = Pool(slots=2048, floor=256)
     pool.try_admit(request("streaming", 1024, request_id="holder"))
     degraded = pool.try_admit(request("kvpop", 1500, request_id="big"))
     assert degraded.degraded_from == 1500 and degraded.request.cache.budget == 1024
@@ -56,26 +75,26 @@ def test_a_tight_pool_degrades_bounded_requests_down_to_the_floor():
 
 
 def test_admission_respects_what_the_engine_really_holds():
-    pool = admission(slots=1024)
-    pool.observe_engine(1000 * SPEC.kv_bytes_per_token)  # finished rows not repacked away yet
+    pool = Pool(slots=1024)
+    pool.manager.reservations.in_use_bytes = 1000 * SPEC.kv_bytes_per_token  # finished rows not repacked away yet
     assert pool.try_admit(request("streaming", 256)) is None
-    pool.observe_engine(900 * SPEC.kv_bytes_per_token)
+    pool.manager.reservations.in_use_bytes = 900 * SPEC.kv_bytes_per_token
     assert pool.try_admit(request("streaming", 256, request_id="a")).slots == 64  # degraded to fit beside them
-    pool.observe_engine(0)
+    pool.manager.observe_in_use()  # the manager itself holds nothing
     assert pool.try_admit(request("streaming", 256, request_id="b")).slots == 256
 
 
 def test_a_whole_prompt_prefill_is_reserved_until_its_first_token():
-    pool = admission(slots=2048)
+    pool = Pool(slots=2048)
     alone = pool.try_admit(request("kvpop", 128, prompt=900, request_id="a"), prefill_slots=900)
-    assert alone.slots == 128 and pool.reserved_bytes == (128 + 900) * 512  # alone: admitted, its prompt counted
+    assert alone.slots == 128 and pool.manager.reserved_bytes == (128 + 900) * 512  # alone: admitted, its prompt counted
     # A second long prompt prefilling at the same time would not fit beside it, at any budget: it waits.
     assert pool.try_admit(request("kvpop", 128, prompt=900, request_id="b"), prefill_slots=900) is None
-    pool.prefill_done("a")  # a's first token: only its budget is held now
-    assert pool.reserved_bytes == 128 * 512
+    pool.manager.prefill_done("a")  # a's first token: only its budget is held now
+    assert pool.manager.reserved_bytes == 128 * 512
     assert pool.try_admit(request("kvpop", 128, prompt=900, request_id="b"), prefill_slots=900).slots == 128
-    pool.release("b")  # finished or failed before its first token: the prompt's reservation goes too
-    assert pool.reserved_bytes == 128 * 512
+    pool.manager.release("b")  # finished or failed before its first token: the prompt's reservation goes too
+    assert pool.manager.reserved_bytes == 128 * 512
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from kvpop.decoder import DecoderStep
 from kvpop.engine import Engine, EngineConfig
 from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
 from kvpop.model_spec import ModelSpec
+from kvpop.cache.reservations import KVReservations
 from kvpop.serving.admission import AdmissionPolicy, KVPoolAdmission, OverloadedError
 from kvpop.serving.request import ParsedRequest
 from kvpop.serving.worker import EngineWorker
@@ -49,8 +50,9 @@ def worker(tiny_onnx_model_dir):
     decoder = DecoderStep(tiny_onnx_model_dir)
     tokenizer = AutoTokenizer.from_pretrained(tiny_onnx_model_dir / "tokenizer")
     spec = ModelSpec.load(tiny_onnx_model_dir)
-    admission = KVPoolAdmission(AdmissionPolicy(1024 * spec.kv_bytes_per_token, 64, 1), spec)
-    worker = EngineWorker(lambda: Engine(decoder, tokenizer=tokenizer), tokenizer, admission, idle_wait=0.01).start()
+    pool = KVReservations(1024 * spec.kv_bytes_per_token, spec)
+    worker = EngineWorker(lambda: Engine(decoder, tokenizer=tokenizer, reservations=pool), tokenizer,
+                          KVPoolAdmission(AdmissionPolicy(64, 1)), idle_wait=0.01).start()
     yield worker
     worker.stop()
 
@@ -69,7 +71,7 @@ def test_streamed_and_complete_answers_carry_the_same_tokens(worker):
     assert len(streamed.responses) == 8 and len(complete.responses) == 1
     assert streamed.ids() == complete.ids()
     assert complete.responses[0]["finish_reason"][0, 0] == b"length"
-    assert worker.admission.reserved_bytes == 0
+    assert worker.engine.cache_manager.reserved_bytes == 0
     # A streamed token carries its text, token and counts; the cache statistics come with the last
     # response only, as in a complete answer (README: outputs).
     core = {"text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens"}
@@ -90,7 +92,7 @@ def test_cancel_frees_slots_and_queue_limit_rejects(worker):
     holder.cancelled = True
     assert holder.done.wait(10) and waiting.done.wait(30)
     assert holder.responses[-1]["finish_reason"][0, 0] == b"cancelled"
-    assert len(waiting.ids()) == 8 and worker.admission.reserved_bytes == 0
+    assert len(waiting.ids()) == 8 and worker.engine.cache_manager.reserved_bytes == 0
 
 
 def test_stopping_answers_every_waiting_request(tiny_onnx_model_dir, worker):
@@ -122,7 +124,7 @@ def test_a_client_that_breaks_mid_stream_is_cancelled_and_others_carry_on(worker
     deadline = time.time() + 10
     while worker.num_active and time.time() < deadline:
         time.sleep(0.01)
-    assert worker.num_active == 0 and worker.admission.reserved_bytes == 0
+    assert worker.num_active == 0 and worker.engine.cache_manager.reserved_bytes == 0
 
 
 class CountingChannel(ListChannel):
@@ -169,12 +171,13 @@ def test_a_prompt_fed_in_several_chunks_never_waits_idle(tiny_onnx_model_dir, mo
     decoder = DecoderStep(tiny_onnx_model_dir)
     tokenizer = AutoTokenizer.from_pretrained(tiny_onnx_model_dir / "tokenizer")
     spec = ModelSpec.load(tiny_onnx_model_dir)
-    admission = KVPoolAdmission(AdmissionPolicy(1024 * spec.kv_bytes_per_token, 64, 1), spec)
+    pool = KVReservations(1024 * spec.kv_bytes_per_token, spec)
     idle_waits = []
     real_sleep = time.sleep
     monkeypatch.setattr(worker_module.time, "sleep", lambda seconds: (idle_waits.append(seconds), real_sleep(seconds)))
     worker = EngineWorker(
-        lambda: Engine(decoder, EngineConfig(prefill_chunk=8), tokenizer=tokenizer), tokenizer, admission, idle_wait=0.01
+        lambda: Engine(decoder, EngineConfig(prefill_chunk=8), tokenizer=tokenizer, reservations=pool), tokenizer,
+        KVPoolAdmission(AdmissionPolicy(64, 1)), idle_wait=0.01
     ).start()
     try:
         channel = ListChannel()

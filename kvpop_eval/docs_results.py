@@ -48,6 +48,14 @@ SPECS = {
                    "SmolLM2-135M-Instruct, 48 English tasks (test split), 2,048 tokens",
                    "make eval-real REAL_TASK_LENGTHS=2048 REAL_TASK_NUM=48 REAL_TASK_FAMILIES=passkey,multikey "
                    "REAL_POLICIES=kvpop:mlstm,streaming"),
+        ResultSpec("quality-prose-2048", "quality-prose-2048/sweep.json",
+                   "SmolLM2-135M-Instruct, 24 prose tasks (test split), 2,048 tokens",
+                   "make eval-real REAL_TASK_SET=prose REAL_TASK_LENGTHS=2048 REAL_TASK_NUM=24 "
+                   "REAL_TASK_FAMILIES=prose_passkey,prose_multikey,prose_multi REAL_POLICIES=kvpop:mlstm,streaming "
+                   "REAL_COMPRESSIONS=0.75,0.88,0.94"),
+        ResultSpec("multiturn", "multiturn/multiturn.json",
+                   "SmolLM2-135M-Instruct, 24 twelve-turn chats through sessions (test split)",
+                   "make eval-multiturn"),
         ResultSpec("quality-reference-2048", "quality-reference-2048/sweep.json",
                    "reference model, 200 held-out tasks, 2,048 tokens",
                    "make eval-sweep EVAL_POLICIES=kvpop:mlstm,streaming"),

@@ -127,8 +127,9 @@ def run_policy(engine, turns: TurnTokens, conversations: list[dict], policy: str
     """Every conversation under one policy, all turns k of all conversations in one batch. `kvpop_options`:
     CacheConfig fields of a kvpop cache (span_pooling, query_window)."""
     from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
+    from kvpop_eval.quality.harness import policy_config
 
-    name, _, scorer = policy.partition(":")
+    name = policy.partition(":")[0]
     prompts = [turns.first(conversation["users"][0]) for conversation in conversations]
     budgets = [None if name == "full" else math.ceil((1 - compression) * planned_tokens(turns, c, reply_tokens, answer_tokens))
                for c in conversations]
@@ -139,8 +140,7 @@ def run_policy(engine, turns: TurnTokens, conversations: list[dict], policy: str
         last = turn == count - 1
         requests = []
         for index, (conversation, prompt, budget) in enumerate(zip(conversations, prompts, budgets)):
-            cache = CacheConfig(policy=name) if name == "full" else CacheConfig(
-                policy=name, budget=budget, scorer=scorer or "accumulated_attention", **((kvpop_options or {}) if name == "kvpop" else {}))
+            cache = CacheConfig(policy="full") if name == "full" else policy_config(policy, None, kvpop_options=kvpop_options, budget=budget)
             sampling = SamplingParams(max_tokens=answer_tokens if last else reply_tokens)
             requests.append(GenerationRequest(f"{tag}-{index}-{turn}", prompt, sampling, cache,
                                               session_id=f"{tag}-{index}", end_session=last))

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvpop.policies.kvpop.text_spans import SPAN_POOLINGS
+
 # How a plain `text_input` reaches an instruction-tuned model (one whose tokenizer has a chat template).
 # Such a model ends a bare question at once (SmolLM2: "What is the capital of France?" -> <|im_end|>),
 # so by default the text is its user turn; a request parameter `raw_prompt: true` sends it as is
@@ -20,6 +22,10 @@ TEXT_INPUT_CHAT = ("auto", "never")
 class ServiceConfig:
     default_policy: str = "full"  # eviction policy when a request names none
     kvpop_scorer: str = "auto"  # the kvpop policy's scorer: auto (learned mLSTM when exported), mlstm, mlp, accumulated_attention
+    # > 0: a prompt that enters whole lets its last this many tokens (the question) pick half of kvpop's long-range
+    # slots by their attention (kvpop.policies.kvpop.query); 0: off
+    kvpop_query_window: int = 0
+    kvpop_span_pooling: str = "auto"  # how kvpop ranks prompt tokens by span: auto (as the scorer was trained), line_contrast, sentence_contrast, ...
     default_kv_budget: int = 512  # slots per head for a bounded policy when a request names no budget
     max_prompt_tokens: int = 4096  # longer prompts are rejected with an invalid-argument error
     max_output_tokens: int = 1024  # upper bound for a request's max_tokens
@@ -75,6 +81,16 @@ class ServiceConfig:
         scorers = ["auto", *LEARNED_SCORER_KINDS, *SCORERS]
         if self.kvpop_scorer not in scorers:
             raise ValueError(f"parameter kvpop_scorer {self.kvpop_scorer!r} is not one of {scorers}")
+        if self.kvpop_query_window < 0:
+            raise ValueError(f"parameter kvpop_query_window must be >= 0, got {self.kvpop_query_window}")
+        if self.kvpop_span_pooling != "auto" and self.kvpop_span_pooling not in SPAN_POOLINGS:
+            raise ValueError(f"parameter kvpop_span_pooling {self.kvpop_span_pooling!r} is not auto or one of {SPAN_POOLINGS}")
+
+    @property
+    def kvpop_options(self) -> dict[str, Any]:
+        """CacheConfig fields of every kvpop request (span_pooling, query_window)."""
+        return {"query_window": self.kvpop_query_window,
+                **({} if self.kvpop_span_pooling == "auto" else {"span_pooling": self.kvpop_span_pooling})}
 
         if self.text_input_chat not in TEXT_INPUT_CHAT:
             raise ValueError(f"parameter text_input_chat {self.text_input_chat!r} is not one of {list(TEXT_INPUT_CHAT)}")

@@ -269,7 +269,8 @@ def request_cache_config(
             raise InvalidRequestError("eviction_policy 'full' keeps every token: omit kv_budget and compression_ratio")
     elif budget is None and compression is None:
         budget = config.default_kv_budget
-    return CacheConfig(policy=policy, budget=budget, compression=compression, scorer=kvpop_scorer)
+    return CacheConfig(policy=policy, budget=budget, compression=compression, scorer=kvpop_scorer,
+                       **(config.kvpop_options if policy == "kvpop" else {}))
 
 
 def _wire(name: str) -> str:

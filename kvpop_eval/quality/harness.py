@@ -65,6 +65,24 @@ def evaluate(
     }
 
 
+# Named kvpop variants a sweep row may ask for with a suffix (`kvpop:mlstm+query`): what the service's
+# parameters of the same name set (docs/CONFIGURATION.md: kvpop_query_window, kvpop_span_pooling).
+KVPOP_VARIANTS = {"query": {"query_window": 32, "span_pooling": "sentence_contrast"}}
+
+
+def policy_config(policy: str, ratio: float | None, sinks: int = 4, window: int = 64, kvpop_options: dict | None = None,
+                  budget: int | None = None) -> CacheConfig:
+    """The cache of a sweep row named `policy`: NAME, kvpop:SCORER or kvpop:SCORER+VARIANT (KVPOP_VARIANTS), at
+    compression `ratio` or `budget` slots (neither for full)."""
+    name, _, scorer_name = policy.partition(":")
+    scorer_name, _, variant = scorer_name.partition("+")
+    if variant and variant not in KVPOP_VARIANTS:
+        raise ValueError(f"unknown kvpop variant {variant!r} in {policy!r}; known: {sorted(KVPOP_VARIANTS)}")
+    options = {**(kvpop_options or {}), **KVPOP_VARIANTS.get(variant, {})} if name == "kvpop" else {}
+    return CacheConfig(policy=name, compression=ratio, budget=budget, sinks=sinks, window=window,
+                       scorer=scorer_name or "accumulated_attention", **options)
+
+
 def sweep(
     engine: Engine,
     tasks: list[dict],
@@ -106,9 +124,7 @@ def sweep(
                 if run_full:
                     summary.append({**summary_row(full, policy, 0.0), "note": "no eviction at 0%: the full cache"})
                 continue
-            name, _, scorer_name = policy.partition(":")
-            config = CacheConfig(policy=name, compression=ratio, sinks=sinks, window=window,
-                                 scorer=scorer_name or "accumulated_attention", **(kvpop_options if name == "kvpop" else {}))
+            config = policy_config(policy, ratio, sinks, window, kvpop_options)
             report = evaluate(engine, tasks, config, max_tokens, scoring)
             summary.append(summary_row(report, policy, ratio))
             save(False)

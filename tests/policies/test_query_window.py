@@ -104,5 +104,15 @@ def test_a_pick_is_pooled_over_its_span():
     spans = TextSpans.of_prompt([0, 0, 1, 0, 0, 0, 1, 0], np.array([False, True]), "sentence")  # [0..2] [3..6] [7]
     received = np.zeros((1, 1, 8), np.float32)
     received[0, 0, 4] = 1.0
-    pooled = query.pooled_by_position(received, np.arange(8)[None, None], 8, spans)
-    assert pooled[0, 0].tolist() == [0, 0, 0, 1, 1, 1, 1, 0]
+    pooled = query.pooled_by_position(received, np.arange(8)[None, None], 8, spans)[0, 0]
+    assert (pooled[3:7] == pooled[4]).all() and pooled[4] > 0 and not pooled[:3].any() and pooled[7] == 0
+
+
+def test_attention_counts_relative_to_its_surroundings():
+    """Attention falls with distance: a token that stands out from its neighbours outranks one that only
+    sits in a region where every token gets much."""
+    received = np.full((1, 1, 1000), 0.01, np.float32)
+    received[0, 0, :100] = 0.5  # the first paragraph: much attention everywhere
+    received[0, 0, 700] = 0.2  # a needle: less than the first paragraph's tokens, far above its own surroundings
+    pooled = query.pooled_by_position(received, np.arange(1000)[None, None], 1000, None, pool=False)[0, 0]
+    assert pooled[700] > pooled[:100].max()

@@ -43,7 +43,8 @@ class KVpopPolicy(EvictionPolicy):
     min_window: int = 32  # ... but never fewer tokens than this (nor more than `window`)
     span_pooling: "str | None" = None  # how prompt tokens are ranked by span (text_spans.py); None: as the scorer was trained
     query_window: int = 0  # > 0: a prompt entering whole lets its last this many queries pick (query.py) ...
-    query_share: float = 0.5  # ... this share of the long-range slots
+    query_share: float = 0.5  # ... this share of the long-range slots,
+    query_heads: str = "head"  # "head": each KV head picks its own (SnapKV); "model": one pick for all (attention summed)
     _scorer: TokenScorer = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -51,8 +52,9 @@ class KVpopPolicy(EvictionPolicy):
             raise ValueError(f"kvpop: sinks and window must be >= 0, got sinks={self.sinks} window={self.window}")
         if not 0.0 < self.window_share <= 1.0 or self.min_window < 0:
             raise ValueError(f"kvpop: window_share must be in (0, 1] and min_window >= 0, got {self.window_share}, {self.min_window}")
-        if self.query_window < 0 or not 0.0 <= self.query_share <= 1.0:
-            raise ValueError(f"kvpop: query_window must be >= 0 and query_share in [0, 1], got {self.query_window}, {self.query_share}")
+        if self.query_window < 0 or not 0.0 <= self.query_share <= 1.0 or self.query_heads not in ("model", "head"):
+            raise ValueError(f"kvpop: query_window must be >= 0, query_share in [0, 1] and query_heads model or head, "
+                             f"got {self.query_window}, {self.query_share}, {self.query_heads!r}")
         self._scorer = make_scorer(self.scorer)
         if self.span_pooling is None:
             self.span_pooling = self._scorer.span_pooling
@@ -229,7 +231,7 @@ class KVpopPolicy(EvictionPolicy):
             sinks, window = self.protected_counts(cache.budget)
             picks = round(self.query_share * self.long_range_slots(cache.budget))
             cached_score, scores = query.pick(cached_score, cache.position, scores, leaving.positions, update.positions,
-                                              update.query_attention, sinks, stop, picks, spans)
+                                              update.query_attention, sinks, stop, picks, spans, self.query_heads == "model")
         np.put_along_axis(cached_score, slots, scores[..., :old_count], axis=2)
         new_statistics[SCORE][:, :, new_tokens] = scores[..., old_count:]
         return StatisticsUpdate(new_statistics, {**scorer_update.cached, SCORE: cached_score})

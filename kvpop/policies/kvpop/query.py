@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from kvpop.policies.kvpop.text_spans import TextSpans
 
 OWN_SHARE = 1e-3  # of a token's own attention, added to its pooled one to break ties
+CONTRAST_WIDTH = 384  # a token's attention counts relative to the mean over this many positions around it
 NEIGHBOURS = 3  # without spans, a token takes the largest attention within this many positions (SnapKV's pooling)
 
 
@@ -33,15 +34,33 @@ def attention_received(query_attention: np.ndarray) -> np.ndarray:
     return query_attention.sum(axis=(2, 3), dtype=np.float32)
 
 
-def pooled_by_position(received: np.ndarray, positions: np.ndarray, length: int, spans: "TextSpans | None") -> np.ndarray:
-    """(L, Hkv, N) attention received at `positions` (L, Hkv, N) -> each position's value pooled over its
-    neighbourhood: the largest over its prompt span, else over +-NEIGHBOURS positions."""
+def local_mean(values: np.ndarray, half: int) -> np.ndarray:
+    """(..., N) -> (..., N): the mean of `values` over positions [n - half, n + half] (cut at the ends)."""
+    total = np.concatenate([np.zeros(values.shape[:-1] + (1,), np.float64), np.cumsum(values, axis=-1, dtype=np.float64)], axis=-1)
+    index = np.arange(values.shape[-1])
+    low, high = np.maximum(index - half, 0), np.minimum(index + half + 1, values.shape[-1])
+    return ((total[..., high] - total[..., low]) / (high - low)).astype(np.float32)
+
+
+def pooled_by_position(received: np.ndarray, positions: np.ndarray, length: int, spans: "TextSpans | None",
+                       shared: bool = False, pool: bool = True) -> np.ndarray:
+    """(L, Hkv, N) attention received at `positions` (L, Hkv, N) -> each position's value relative to the mean
+    attention of the CONTRAST_WIDTH positions around it (attention falls with distance, and the first
+    paragraphs take a large share of it whatever they say: what the question looks for stands out from its
+    surroundings), pooled over its neighbourhood: the largest over its prompt span, else over +-NEIGHBOURS
+    positions. `shared`: first summed over every layer and head (one model-wide value a position, as the
+    learned ranking is). `pool` False: each position's own value."""
     num_layers, num_kv_heads, _ = received.shape
     dense = np.zeros((num_layers, num_kv_heads, length), np.float32)  # by position; evicted ones received 0
     valid = positions >= 0
     layer, head, _ = np.nonzero(valid)
     dense[layer, head, positions[valid]] = received[valid]
-    if spans is not None and spans.prompt_length:
+    dense = dense / (local_mean(dense, CONTRAST_WIDTH // 2) + np.float32(1e-6))  # how far it stands out around it
+    if shared:
+        dense = np.broadcast_to(dense.sum(axis=(0, 1), keepdims=True), dense.shape).copy()
+    if not pool:
+        pass
+    elif spans is not None and spans.prompt_length:
         prompt = min(spans.prompt_length, length)
         dense[..., :prompt] = spans.segment_max(dense[..., : spans.prompt_length])[..., :prompt]
     else:
@@ -61,6 +80,7 @@ def pick(
     candidates_to: int,  # ... in the window after this append: [from, to) compete for the long-range slots
     slots: int,  # how many of them get the bonus, per head
     spans: "TextSpans | None",
+    shared: bool = False,  # one model-wide pick (attention summed over every layer and head), else each head's own
 ) -> tuple[np.ndarray, np.ndarray]:
     """The held and leaving scores with the old picks taken back and this question's `slots` picks added."""
     held_score = held_score - query_bonus(held_score)
@@ -72,8 +92,9 @@ def pick(
     every_position = np.concatenate([held_positions, new_positions], axis=2)
     competing = (every_position >= candidates_from) & (every_position < candidates_to)
     received = np.where(competing, received, np.float32(0))  # the sinks' and the window's attention spills onto no neighbour
-    pooled = pooled_by_position(received, every_position, int(every_position.max()) + 1, spans)
-    pooled += np.float32(OWN_SHARE) * received  # ties inside a span or a neighbourhood: its own attention first
+    pooled = pooled_by_position(received, every_position, int(every_position.max()) + 1, spans, shared)
+    own = pooled_by_position(received, every_position, int(every_position.max()) + 1, None, shared, pool=False) if shared else received
+    pooled += np.float32(OWN_SHARE) * own  # ties inside a span or a neighbourhood: its own attention first
     by_position = np.full(pooled.shape[:2] + (int(every_position.max()) + 1,), -np.inf, np.float32)
     layer, head, column = np.nonzero(every_position >= 0)
     by_position[layer, head, every_position[layer, head, column]] = pooled[layer, head, column]

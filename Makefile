@@ -201,7 +201,7 @@ eval-multiturn: setup  ## [evaluate] chats whose first turn's fact is asked MULT
 	$(PY) -m kvpop_eval.multiturn write --split $(MULTITURN_SPLIT) --num $(MULTITURN_NUM) --turns $(MULTITURN_TURNS) \
 		--out build/real-tasks/multiturn-$(MULTITURN_SPLIT).jsonl
 	$(PY) -m kvpop_eval.multiturn run --model model_repository/kvpop_engine/1 --tasks build/real-tasks/multiturn-$(MULTITURN_SPLIT).jsonl \
-		--policies full,kvpop:mlstm,streaming --compressions 0.88 --out-dir $(RESULTS_OUT)/multiturn
+		--policies full,kvpop:mlstm,kvpop:mlstm+query,streaming --compressions 0.88 --out-dir $(RESULTS_OUT)/multiturn
 
 tasks: setup  ## write 200 reference tasks of TASK_SPLIT (default heldout) at TASK_TOKENS (default 2048) to build/tasks/
 	$(PY) -m kvpop_eval.tasks write --split $(TASK_SPLIT) --num 200 --context-tokens $(TASK_TOKENS) $(if $(TASK_FACTS),--num-facts $(TASK_FACTS)) --out $(TASKS_FILE)

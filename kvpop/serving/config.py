@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvpop.policies.kvpop.kinds import LEARNED_SCORER_KINDS
 from kvpop.policies.kvpop.text_spans import SPAN_POOLINGS
 
 # How a plain `text_input` reaches an instruction-tuned model (one whose tokenizer has a chat template).
@@ -86,11 +87,10 @@ class ServiceConfig:
         if self.kvpop_span_pooling != "auto" and self.kvpop_span_pooling not in SPAN_POOLINGS:
             raise ValueError(f"parameter kvpop_span_pooling {self.kvpop_span_pooling!r} is not auto or one of {SPAN_POOLINGS}")
 
-    @property
-    def kvpop_options(self) -> dict[str, Any]:
-        """CacheConfig fields of every kvpop request (span_pooling, query_window)."""
-        return {"query_window": self.kvpop_query_window,
-                **({} if self.kvpop_span_pooling == "auto" else {"span_pooling": self.kvpop_span_pooling})}
+    def kvpop_options(self, scorer: str) -> dict[str, Any]:
+        """CacheConfig fields of every kvpop request (query_window; span_pooling, which only a learned `scorer` has)."""
+        spans = self.kvpop_span_pooling != "auto" and scorer in LEARNED_SCORER_KINDS
+        return {"query_window": self.kvpop_query_window, **({"span_pooling": self.kvpop_span_pooling} if spans else {})}
 
         if self.text_input_chat not in TEXT_INPUT_CHAT:
             raise ValueError(f"parameter text_input_chat {self.text_input_chat!r} is not one of {list(TEXT_INPUT_CHAT)}")

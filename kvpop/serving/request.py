@@ -270,7 +270,7 @@ def request_cache_config(
     elif budget is None and compression is None:
         budget = config.default_kv_budget
     return CacheConfig(policy=policy, budget=budget, compression=compression, scorer=kvpop_scorer,
-                       **(config.kvpop_options if policy == "kvpop" else {}))
+                       **(config.kvpop_options(kvpop_scorer) if policy == "kvpop" else {}))
 
 
 def _wire(name: str) -> str:

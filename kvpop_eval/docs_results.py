@@ -241,6 +241,13 @@ def headline_table(results: dict[str, dict | None], manifest: dict) -> str:
         memory = [mib(kvpop[c]["max_peak_kv_bytes"]) if c in kvpop else "" for c in COMPRESSIONS]
         lines.append(f"| {SPECS[name].title}: KV memory per sequence (peak) | {mib(full['max_peak_kv_bytes'])} | "
                      + " | ".join(memory) + f" | `{SPECS[name].command}` |")
+    chats = results.get("multiturn")
+    if chats is not None:  # one budget for a whole chat, at 88% only
+        full = full_row(chats)
+        kvpop = {row["compression"]: row for row in sweep_rows(chats) if row["policy"] == HEADLINE_POLICIES[0]}
+        cells = [accuracy_cell(kvpop[c], full) if c in kvpop else "" for c in COMPRESSIONS]
+        lines.append(f"| {SPECS['multiturn'].title}: accuracy of `{HEADLINE_POLICIES[0]}` | {accuracy_cell(full, full)} | "
+                     + " | ".join(cells) + f" | `{SPECS['multiturn'].command}` |")
     service = results.get("service-reference")
     spec = SPECS["service-reference"]
     if service is None:
@@ -250,7 +257,8 @@ def headline_table(results: dict[str, dict | None], manifest: dict) -> str:
             speed = "; ".join(f"({w['name']}) {ratio_range(service, w['name'], key)}" for w in service["workloads"])
             lines.append(f"| service output tokens/s, kvpop at 88% vs the {against} (reference model) | | | | "
                          f"{speed} | | `{spec.command}` |")
-    commits = sorted({manifest.get(name, {}).get("commit", "unknown")[:12] for name in SPECS if results.get(name)})
+    shown = ("quality-real-2048", "quality-reference-2048", "multiturn", "service-reference")
+    commits = sorted({manifest.get(name, {}).get("commit", "unknown")[:12] for name in shown if results.get(name)})
     legend = ("Cells: accuracy [95% Wilson interval], fraction of the full cache's accuracy, tasks only this "
               "policy / only the full cache answers. Service workloads: (a) 2,048-token prompts, (c) many users in a "
               "KV pool of 4 full sequences, (d) short chat prompts; ranges over 1-8 clients. "
@@ -316,7 +324,8 @@ def publish(names: list[str], source_dir: Path, results_dir: Path) -> list[str]:
         plot = source.with_suffix(".png")
         if plot.exists():
             shutil.copyfile(plot, results_dir / f"{name}.png")
-        manifest[name] = {"commit": run_manifest.get("commit", "unknown"), "source": f"build/results/{SPECS[name].source}",
+        commit = run_manifest.get("commit") or result.get("commit", "unknown")  # a run's manifest, else its own stamp
+        manifest[name] = {"commit": commit, "source": f"build/results/{SPECS[name].source}",
                           "published": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ")}
         published.append(name)
     (results_dir / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")

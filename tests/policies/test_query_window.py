@@ -9,7 +9,7 @@ import pytest
 from kvpop.engine import Engine, EngineConfig
 from kvpop.kvtypes import CacheUpdate
 from kvpop.policies.kvpop import KVpopPolicy
-from kvpop.policies.kvpop.kinds import QUERY_BONUS
+from kvpop.policies.kvpop.query import QUERY_BONUS
 from kvpop.policies.kvpop import query
 from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
 

@@ -1,16 +1,6 @@
 """The kvpop method's names: its ranking statistic and the learned scorer kinds a request may name."""
 
-import numpy as np
-
 SCORE = "kvpop_score"  # the per-slot statistic the kvpop policy ranks by
-# Added to the score of a token the prompt's question picked (kvpop.policies.kvpop.query): far above any
-# learned score, so those tokens outrank the rest until the next question re-picks.
-QUERY_BONUS = np.float32(1e4)
-
-
-def query_bonus(score: np.ndarray) -> np.ndarray:
-    """The part of `score` that is a question's bonus (QUERY_BONUS or 0, elementwise)."""
-    return np.where(score >= QUERY_BONUS / 2, QUERY_BONUS, np.float32(0)).astype(np.float32)
 
 # The learned scorer variants, here and nowhere else: trained by `make train-scorer`, exported as
 # scorer_<kind>.onnx beside the decoder, and named by a kvpop request's `scorer` (only kvpop has one).

@@ -31,6 +31,12 @@ from kvpop.policies.kvpop.text_spans import TextSpans, check_span_pooling, span_
 
 
 
+def _pooled(spans: TextSpans, positions: np.ndarray, current: np.ndarray) -> np.ndarray:
+    """`spans.priority`, with the question's picks (query.py) keeping their bonus on top of their span's rank."""
+    bonus = query.query_bonus(current)
+    return spans.priority(positions, current - bonus) + bonus
+
+
 @dataclass
 class KVpopPolicy(EvictionPolicy):
     name = "kvpop"
@@ -169,7 +175,7 @@ class KVpopPolicy(EvictionPolicy):
             return
         first = leaving[0, 0]
         spans.add_scores(position[0, 0, first : first + 1], score[0, 0, first : first + 1])
-        score[...] = spans.priority(position, score)
+        score[...] = _pooled(spans, position, score)
 
     def _line_spans(self, cache) -> "TextSpans | None":
         """The cache's prompt lines when this scorer ranks by line (kvpop.policies.kvpop.text_spans), else None."""
@@ -225,8 +231,8 @@ class KVpopPolicy(EvictionPolicy):
         spans = self._line_spans(cache)
         if spans is not None:  # every cache ranks the same positions (shared ranking): one line mean each
             spans.add_scores(leaving.positions[0, 0], scores[0, 0])
-            scores = spans.priority(leaving.positions, scores)
-            cached_score = spans.priority(cache.position, cached_score)  # held tokens of those lines move too
+            scores = _pooled(spans, leaving.positions, scores)
+            cached_score = _pooled(spans, cache.position, cached_score)  # held tokens of those lines move too
         if update.query_attention is not None:  # a whole prompt's question picks its share (query.py)
             sinks, window = self.protected_counts(cache.budget)
             picks = round(self.query_share * self.long_range_slots(cache.budget))

@@ -18,14 +18,21 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvpop.policies.kvpop.kinds import QUERY_BONUS, query_bonus
 
 if TYPE_CHECKING:
     from kvpop.policies.kvpop.text_spans import TextSpans
 
+# Added to the score of a token the prompt's question picked: far above any learned score, so those tokens
+# outrank the rest until the next question re-picks.
+QUERY_BONUS = np.float32(1e4)
 OWN_SHARE = 1e-3  # of a token's own attention, added to its pooled one to break ties
 CONTRAST_WIDTH = 384  # a token's attention counts relative to the mean over this many positions around it
 NEIGHBOURS = 3  # without spans, a token takes the largest attention within this many positions (SnapKV's pooling)
+
+
+def query_bonus(score: np.ndarray) -> np.ndarray:
+    """The part of `score` that is a question's bonus (QUERY_BONUS or 0, elementwise)."""
+    return np.where(score >= QUERY_BONUS / 2, QUERY_BONUS, np.float32(0)).astype(np.float32)
 
 
 def attention_received(query_attention: np.ndarray) -> np.ndarray:

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvpop.policies.kvpop.kinds import query_bonus
 
 SPAN_POOLINGS = ("", "line", "line_contrast", "sentence", "sentence_contrast")
 MAX_SPAN = 48  # tokens: a longer line (a paragraph) is ranked in pieces of this length
@@ -149,7 +148,6 @@ class TextSpans:
             self._ranking = tuple(values.astype(np.float32) for values in self.line_values())
         mean, value = self._ranking
         pooled = value[line] + np.float32(OWN_SHARE) * (own - mean[line])
-        pooled += query_bonus(current)  # a token the question picked keeps its place (kvpop.policies.kvpop.query)
         return np.where(inside & ~np.isnan(own), pooled, current).astype(np.float32)
 
     def segment_max(self, values: np.ndarray) -> np.ndarray:

@@ -86,12 +86,6 @@ class ServiceConfig:
             raise ValueError(f"parameter kvpop_query_window must be >= 0, got {self.kvpop_query_window}")
         if self.kvpop_span_pooling != "auto" and self.kvpop_span_pooling not in SPAN_POOLINGS:
             raise ValueError(f"parameter kvpop_span_pooling {self.kvpop_span_pooling!r} is not auto or one of {SPAN_POOLINGS}")
-
-    def kvpop_options(self, scorer: str) -> dict[str, Any]:
-        """CacheConfig fields of every kvpop request (query_window; span_pooling, which only a learned `scorer` has)."""
-        spans = self.kvpop_span_pooling != "auto" and scorer in LEARNED_SCORER_KINDS
-        return {"query_window": self.kvpop_query_window, **({"span_pooling": self.kvpop_span_pooling} if spans else {})}
-
         if self.text_input_chat not in TEXT_INPUT_CHAT:
             raise ValueError(f"parameter text_input_chat {self.text_input_chat!r} is not one of {list(TEXT_INPUT_CHAT)}")
         if self.default_policy not in POLICIES:
@@ -102,6 +96,11 @@ class ServiceConfig:
         unknown = [name for name in warm_policies(self.default_policy, self.warm_prefix_policies) if name not in POLICIES]
         if unknown:
             raise ValueError(f"parameter warm_prefix_policies names unknown policies {unknown}; known: {sorted(POLICIES)}")
+
+    def kvpop_options(self, scorer: str) -> dict[str, Any]:
+        """CacheConfig fields of every kvpop request (query_window; span_pooling, which only a learned `scorer` has)."""
+        spans = self.kvpop_span_pooling != "auto" and scorer in LEARNED_SCORER_KINDS
+        return {"query_window": self.kvpop_query_window, **({"span_pooling": self.kvpop_span_pooling} if spans else {})}
 
     @classmethod
     def from_model_config(cls, model_config: dict[str, Any]) -> "ServiceConfig":

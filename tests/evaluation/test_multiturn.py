@@ -31,10 +31,11 @@ def test_each_turn_continues_the_previous_prompt_and_reply(tiny_onnx_model_dir):
 def test_a_run_continues_every_session_and_reports_rows_like_a_sweep(tiny_onnx_model_dir, tmp_path):
     tasks = tmp_path / "chats.jsonl"
     write(tasks, "test", 2, 3)
-    report = run(tiny_onnx_model_dir, tasks, ["full", "kvpop:mlstm+query"], [0.5], tmp_path / "out", reply_tokens=4, answer_tokens=3)
+    report = run(tiny_onnx_model_dir, tasks, ["full", "kvpop:mlstm"], [0.5], tmp_path / "out", reply_tokens=4, answer_tokens=3,
+                 kvpop_options={"query_window": 4})  # every turn's question picks (the tiny scorer ranks no spans)
     assert json.loads((tmp_path / "out" / "multiturn.json").read_text()) == report
     full, kvpop = report["results"]
-    assert full["policy"] == "full" and kvpop["policy"] == "kvpop:mlstm+query" and kvpop["compression"] == 0.5
+    assert full["policy"] == "full" and kvpop["policy"] == "kvpop:mlstm" and kvpop["compression"] == 0.5
     assert full["cold_turns"] == 0 and kvpop["cold_turns"] == 0  # turns 2 and 3 continued their sessions
     assert kvpop["compression_achieved"] > 0.3 and full["compression_achieved"] == 0.0
     assert len(kvpop["correct_by_task"]) == 2 and report["tasks"] == 2

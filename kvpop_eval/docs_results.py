@@ -64,7 +64,7 @@ SPECS = {
                    "make bench-service BENCH_ARGS='--workloads a c d --repetitions 1 --stall-tokens 0'"),
     )
 }
-HEADLINE_POLICIES = ("kvpop:mlstm", "streaming")  # the service's default scorer and its heuristic baseline
+HEADLINE_POLICIES = ("kvpop:mlstm", "kvpop:mlstm+query", "streaming")  # the service's default, its query-aware option, the heuristic baseline
 POLICY_ORDER = ("full", "kvpop:mlstm", "kvpop:mlstm+query", "kvpop:mlp", "kvpop", "streaming", "h2o", "tova", "random")
 
 
@@ -224,7 +224,7 @@ def headline_table(results: dict[str, dict | None], manifest: dict) -> str:
     """One table: quality and KV memory per sequence at 50/75/88/94%, service speed, each with its command."""
     header = ["| result | full cache | 50% | 75% | 88% | 94% | reproduce |", "|---|---|---|---|---|---|---|"]
     lines = list(header)
-    for name in ("quality-real-2048", "quality-reference-2048"):
+    for name in ("quality-real-2048", "quality-prose-2048", "quality-reference-2048"):
         sweep = results.get(name)
         if sweep is None:
             lines.append(f"| {SPECS[name].title}: not published yet | | | | | | `{SPECS[name].command}` |")
@@ -257,7 +257,7 @@ def headline_table(results: dict[str, dict | None], manifest: dict) -> str:
             speed = "; ".join(f"({w['name']}) {ratio_range(service, w['name'], key)}" for w in service["workloads"])
             lines.append(f"| service output tokens/s, kvpop at 88% vs the {against} (reference model) | | | | "
                          f"{speed} | | `{spec.command}` |")
-    shown = ("quality-real-2048", "quality-reference-2048", "multiturn", "service-reference")
+    shown = ("quality-real-2048", "quality-prose-2048", "quality-reference-2048", "multiturn", "service-reference")
     commits = sorted({manifest.get(name, {}).get("commit", "unknown")[:12] for name in shown if results.get(name)})
     legend = ("Cells: accuracy [95% Wilson interval], fraction of the full cache's accuracy, tasks only this "
               "policy / only the full cache answers. Service workloads: (a) 2,048-token prompts, (c) many users in a "

@@ -65,12 +65,10 @@ def pooled_by_position(received: np.ndarray, positions: np.ndarray, length: int,
     dense = dense / (local_mean(dense, CONTRAST_WIDTH // 2) + np.float32(1e-6))  # how far it stands out around it
     if shared:
         dense = np.broadcast_to(dense.sum(axis=(0, 1), keepdims=True), dense.shape).copy()
-    if not pool:
-        pass
-    elif spans is not None and spans.prompt_length:
+    if pool and spans is not None and spans.prompt_length:
         prompt = min(spans.prompt_length, length)
         dense[..., :prompt] = spans.segment_max(dense[..., : spans.prompt_length])[..., :prompt]
-    else:
+    elif pool:
         padded = np.pad(dense, ((0, 0), (0, 0), (NEIGHBOURS, NEIGHBOURS)))
         dense = np.max([padded[..., shift : shift + length] for shift in range(2 * NEIGHBOURS + 1)], axis=0)
     return np.take_along_axis(dense, np.where(valid, positions, 0), axis=2)

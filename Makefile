@@ -16,7 +16,7 @@ OPENAI_PORT ?= 9000# the OpenAI-compatible API (/v1); 0: not started
 CONFIG ?= auto
 PID_FILE := run/tritonserver.pid
 
-.PHONY: help setup model export serve serve-bg stop test test-unit test-e2e clean reference-model eval-reference \
+.PHONY: help setup model export serve serve-bg stop test test-unit test-e2e clean reference-model retrieval-heads eval-reference \
 	train-scorer eval-real eval-prose eval-multiturn tasks eval-sweep kvpress-env eval-kvpress speed speed-quick speed-real bench-service bench-sessions bench-steady bench-profile bench-overhead bench-openai loadtest \
 	system-deps image image-lb test-cluster load-time test-faults test-fuzz stress soak docs-results publish-results
 
@@ -159,6 +159,15 @@ train-scorer: setup  ## train the KVpop scorers (mLSTM + MLP) for MODEL (default
 		--out scorers/$(notdir $(MODEL:/=)) --minutes-per-kind $(SCORER_MINUTES) --num-texts $(SCORER_NUM_TEXTS) \
 		--max-tokens $(SCORER_MAX_TOKENS) --window $(REAL_KV_WINDOW) --target-scope $(SCORER_TARGET_SCOPE) \
 		--span-pooling $(SCORER_SPAN_POOLING) --traces build/scorer-texts/traces-$(notdir $(MODEL:/=))-$(SCORER_QUESTIONS)-$(SCORER_NUM_TEXTS)x$(SCORER_MAX_TOKENS).pt --threads $(THREADS),--window $(KV_WINDOW))
+	$(if $(IS_REAL_MODEL),$(MAKE) retrieval-heads MODEL=$(MODEL))
+
+# The base model's retrieval heads, which the query-aware pick listens to (kvpop_query_window): found on facts
+# planted in the scorer's training texts (kvpop_train/scorer/retrieval_heads.py; ~10 min on 2 cores).
+retrieval-heads: setup  ## the KV heads whose question attention finds what a question asks about, for MODEL (default: SmolLM2): scorers/<name>/retrieval_heads.json
+	@test -f $(SCORER_TEXTS) || $(PY) -m kvpop_train.scorer.english_texts --max-chars $(SCORER_MAX_CHARS) \
+		--questions-about $(SCORER_QUESTIONS) --min-values $(SCORER_MIN_VALUES) --num 400 --out $(SCORER_TEXTS)
+	$(PY) -m kvpop_train.scorer.retrieval_heads --model $(or $(MODEL),$(REAL_MODEL)) --texts $(SCORER_TEXTS) \
+		--out scorers/$(notdir $(or $(MODEL:/=),$(REAL_MODEL))) --threads $(THREADS)
 
 # English long-context benchmark (kvpop_eval/english_tasks.py) on the exported model (`make export`):
 # every policy (or REAL_POLICIES) x compression per context length, contains-scoring, into

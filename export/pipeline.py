@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from kvpop.model_spec import ModelSpec
+from kvpop.policies.kvpop.runtime import RETRIEVAL_HEADS_FILE
 
 TOKENIZER_DIRNAME = "tokenizer"
 SCORER_DIRNAME = "scorer"  # where `make train-scorer` leaves the reference model's scorer_<kind>.pt
@@ -172,13 +173,15 @@ def export_learned_scorers(scorer_dir: Path, output_dir: Path, stage) -> dict[st
     """The trained KVpop scorers beside the model (`make train-scorer`), as ONNX with parity checks."""
     from kvpop_train.scorer.onnx_export import export_scorers
 
-    for stale in output_dir.glob("scorer_*"):
-        stale.unlink()
+    for stale in (*output_dir.glob("scorer_*"), output_dir / RETRIEVAL_HEADS_FILE):
+        stale.unlink(missing_ok=True)
     if not scorer_dir.is_dir():
         stage(f"no trained KVpop scorer in {scorer_dir}: the kvpop policy will use its attention-based scorer")
         return {}
     stage(f"exporting the KVpop scorers in {scorer_dir}")
     exports = export_scorers(scorer_dir, output_dir)
+    if (scorer_dir / RETRIEVAL_HEADS_FILE).exists():  # the base model's retrieval heads (query-aware picks)
+        shutil.copyfile(scorer_dir / RETRIEVAL_HEADS_FILE, output_dir / RETRIEVAL_HEADS_FILE)
     return {
         export.onnx_path.name: {"max_abs_diff": export.max_abs_diff, "passed": export.passed} for export in exports
     }

@@ -116,3 +116,43 @@ def test_attention_counts_relative_to_its_surroundings():
     received[0, 0, 700] = 0.2  # a needle: less than the first paragraph's tokens, far above its own surroundings
     pooled = query.pooled_by_position(received, np.arange(1000)[None, None], 1000, None, pool=False)[0, 0]
     assert pooled[700] > pooled[:100].max()
+
+
+def test_retrieval_heads_pick_once_for_every_cache():
+    """With retrieval heads, what those heads attend to (each as a share of its largest value) picks the
+    same positions in every cache; the other heads' attention counts for nothing."""
+    num_layers, num_kv_heads = 2, 2
+    positions = np.broadcast_to(np.arange(10), (num_layers, num_kv_heads, 10))
+    received = np.full((num_layers, num_kv_heads, 10), 0.01, np.float32)
+    received[1, 0, 6] = 0.3  # a retrieval head looks at position 6 ...
+    received[0, 1, 6] = 3.0  # ... and so does the other one, on a larger scale
+    received[0, 0, 2] = 50.0  # a head that is not listened to looks at position 2
+    heads = np.array([[1, 0], [0, 1]])
+    pooled = query.pooled_by_position(received, positions, 10, None, heads, pool=False)
+    assert (pooled == pooled[:1, :1]).all()  # one value a position, in every cache
+    assert pooled[0, 0].argmax() == 6 and pooled[0, 0, 6] == pytest.approx(2.0)  # 1 + 1: each head's share of its largest
+
+
+def test_retrieval_heads_ship_beside_the_scorer(tiny_onnx_model_dir, tmp_path):
+    """retrieval_heads.json beside the exported scorers reaches the policy ("auto" listens to them); without
+    it "auto" picks per head and asking for "retrieval" is an error."""
+    import json
+    import shutil
+
+    from kvpop.policies import make_policy
+    from kvpop.policies.kvpop.runtime import RETRIEVAL_HEADS_FILE, LearnedScorer
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_onnx_model_dir, model_dir)
+    (model_dir / RETRIEVAL_HEADS_FILE).unlink(missing_ok=True)
+    without = {"mlstm": LearnedScorer.load(model_dir, "mlstm")}
+    assert make_policy("kvpop", without, scorer="mlstm", query_window=4).query_heads == "head"
+    with pytest.raises(ValueError, match="retrieval"):
+        make_policy("kvpop", without, scorer="mlstm", query_window=4, query_heads="retrieval")
+    (model_dir / RETRIEVAL_HEADS_FILE).write_text(json.dumps({"heads": [[1, 0], [0, 1]]}))
+    scorer = LearnedScorer.load(model_dir, "mlstm")
+    assert scorer.retrieval_heads.tolist() == [[1, 0], [0, 1]]
+    assert make_policy("kvpop", {"mlstm": scorer}, scorer="mlstm", query_window=4).query_heads == "retrieval"
+    (model_dir / RETRIEVAL_HEADS_FILE).write_text(json.dumps({"heads": [[99, 0]]}))
+    with pytest.raises(ValueError, match="outside"):
+        LearnedScorer.load(model_dir, "mlstm")

@@ -37,6 +37,9 @@ def _pooled(spans: TextSpans, positions: np.ndarray, current: np.ndarray) -> np.
     return spans.priority(positions, current - bonus) + bonus
 
 
+QUERY_HEADS = ("auto", "head", "retrieval")
+
+
 @dataclass
 class KVpopPolicy(EvictionPolicy):
     name = "kvpop"
@@ -50,7 +53,9 @@ class KVpopPolicy(EvictionPolicy):
     span_pooling: "str | None" = None  # how prompt tokens are ranked by span (text_spans.py); None: as the scorer was trained
     query_window: int = 0  # > 0: a prompt entering whole lets its last this many queries pick (query.py) ...
     query_share: float = 0.5  # ... this share of the long-range slots,
-    query_heads: str = "head"  # "head": each KV head picks its own (SnapKV); "model": one pick for all (attention summed)
+    # "head": each KV head picks its own (SnapKV); "retrieval": one pick for every cache, from the retrieval heads'
+    # attention (the learned scorer's model ships them: query.py); "auto": retrieval when they ship, else head
+    query_heads: str = "auto"
     _scorer: TokenScorer = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -58,10 +63,14 @@ class KVpopPolicy(EvictionPolicy):
             raise ValueError(f"kvpop: sinks and window must be >= 0, got sinks={self.sinks} window={self.window}")
         if not 0.0 < self.window_share <= 1.0 or self.min_window < 0:
             raise ValueError(f"kvpop: window_share must be in (0, 1] and min_window >= 0, got {self.window_share}, {self.min_window}")
-        if self.query_window < 0 or not 0.0 <= self.query_share <= 1.0 or self.query_heads not in ("model", "head"):
-            raise ValueError(f"kvpop: query_window must be >= 0, query_share in [0, 1] and query_heads model or head, "
+        if self.query_window < 0 or not 0.0 <= self.query_share <= 1.0 or self.query_heads not in QUERY_HEADS:
+            raise ValueError(f"kvpop: query_window must be >= 0, query_share in [0, 1] and query_heads one of {QUERY_HEADS}, "
                              f"got {self.query_window}, {self.query_share}, {self.query_heads!r}")
         self._scorer = make_scorer(self.scorer)
+        if self.query_heads == "auto":
+            self.query_heads = "head" if self._scorer.retrieval_heads is None else "retrieval"
+        elif self.query_heads == "retrieval" and self._scorer.retrieval_heads is None:
+            raise ValueError("kvpop: query_heads 'retrieval' needs a learned scorer whose model ships retrieval_heads.json")
         if self.span_pooling is None:
             self.span_pooling = self._scorer.span_pooling
         elif self.span_pooling and not self._scorer.shared_ranking:
@@ -237,7 +246,8 @@ class KVpopPolicy(EvictionPolicy):
             sinks, window = self.protected_counts(cache.budget)
             picks = round(self.query_share * self.long_range_slots(cache.budget))
             cached_score, scores = query.pick(cached_score, cache.position, scores, leaving.positions, update.positions,
-                                              update.query_attention, sinks, stop, picks, spans, self.query_heads == "model")
+                                              update.query_attention, sinks, stop, picks, spans,
+                                              self._scorer.retrieval_heads if self.query_heads == "retrieval" else None)
         np.put_along_axis(cached_score, slots, scores[..., :old_count], axis=2)
         new_statistics[SCORE][:, :, new_tokens] = scores[..., old_count:]
         return StatisticsUpdate(new_statistics, {**scorer_update.cached, SCORE: cached_score})

@@ -5,11 +5,17 @@ With whole-prompt prefill the question is in the prompt when its one eviction ha
 (the question, the end of the user turn, the assistant header) says which earlier tokens the answer
 will read. The learned score keeps what is worth keeping for any question (a later turn's, a long
 answer's); the query attention finds what THIS question asks for, wherever it sits, inside running
-text too. KVpop keeps both: per KV head, the `share` of the long-range slots whose tokens the window's
-queries attend to most (summed over the window and the head's query group, then taken as the largest
-over each token's span, so a fact is kept whole) get `QUERY_BONUS` on their score; the learned
-ranking fills the rest and keeps deciding every later eviction among the unpicked tokens. The next
-prompt that enters whole (a session's next turn) takes the old picks back and picks again.
+text too. KVpop keeps both: the `share` of the long-range slots whose tokens the question attends to
+most get `QUERY_BONUS` on their score (the largest value over each token's span, so a fact is kept
+whole); the learned ranking fills the rest and keeps deciding every later eviction among the unpicked
+tokens. The next prompt that enters whole (a session's next turn) takes the old picks back and picks again.
+
+Whose attention counts: summed over every head, the question's attention goes mostly to the first
+paragraphs and to frequent words. A few heads, the base model's retrieval heads (found once per model on
+planted facts: kvpop_train.scorer.retrieval_heads), attend to the passage the question is about; when the
+model ships them, their attention (each head's as a share of its largest value, summed) makes one pick
+for every cache, so the heads that copy the answer later find the whole fact too. Without them each KV
+head picks for itself from its own attention measured against its surroundings (SnapKV's per-head pick).
 """
 
 from __future__ import annotations
@@ -50,21 +56,25 @@ def local_mean(values: np.ndarray, half: int) -> np.ndarray:
 
 
 def pooled_by_position(received: np.ndarray, positions: np.ndarray, length: int, spans: "TextSpans | None",
-                       shared: bool = False, pool: bool = True) -> np.ndarray:
-    """(L, Hkv, N) attention received at `positions` (L, Hkv, N) -> each position's value relative to the mean
-    attention of the CONTRAST_WIDTH positions around it (attention falls with distance, and the first
-    paragraphs take a large share of it whatever they say: what the question looks for stands out from its
-    surroundings), pooled over its neighbourhood: the largest over its prompt span, else over +-NEIGHBOURS
-    positions. `shared`: first summed over every layer and head (one model-wide value a position, as the
-    learned ranking is). `pool` False: each position's own value."""
+                       heads: "np.ndarray | None" = None, pool: bool = True) -> np.ndarray:
+    """(L, Hkv, N) attention received at `positions` (L, Hkv, N) -> what each position is worth to the
+    question, pooled over its neighbourhood: the largest over its prompt span, else over +-NEIGHBOURS
+    positions. `heads` None: each head's own, relative to the mean attention of the CONTRAST_WIDTH
+    positions around it (attention falls with distance, and the first paragraphs take a large share of it
+    whatever they say: what the question looks for stands out from its surroundings). `heads` (K, 2): one
+    model-wide value a position, the sum over those (layer, KV head) pairs (the retrieval heads) of their
+    attention as a share of its largest value. `pool` False: each position's own value."""
     num_layers, num_kv_heads, _ = received.shape
     dense = np.zeros((num_layers, num_kv_heads, length), np.float32)  # by position; evicted ones received 0
     valid = positions >= 0
     layer, head, _ = np.nonzero(valid)
     dense[layer, head, positions[valid]] = received[valid]
-    dense = dense / (local_mean(dense, CONTRAST_WIDTH // 2) + np.float32(1e-6))  # how far it stands out around it
-    if shared:
-        dense = np.broadcast_to(dense.sum(axis=(0, 1), keepdims=True), dense.shape).copy()
+    if heads is None:
+        dense = dense / (local_mean(dense, CONTRAST_WIDTH // 2) + np.float32(1e-6))  # how far it stands out around it
+    else:
+        listened = dense[heads[:, 0], heads[:, 1]]  # (K, N)
+        listened = listened / (listened.max(axis=1, keepdims=True) + np.float32(1e-9))
+        dense = np.broadcast_to(listened.sum(axis=0), dense.shape).copy()
     if pool and spans is not None and spans.prompt_length:
         prompt = min(spans.prompt_length, length)
         dense[..., :prompt] = spans.segment_max(dense[..., : spans.prompt_length])[..., :prompt]
@@ -85,7 +95,7 @@ def pick(
     candidates_to: int,  # ... in the window after this append: [from, to) compete for the long-range slots
     slots: int,  # how many of them get the bonus, per head
     spans: "TextSpans | None",
-    shared: bool = False,  # one model-wide pick (attention summed over every layer and head), else each head's own
+    heads: "np.ndarray | None" = None,  # (K, 2): one model-wide pick from these (layer, KV head) pairs, else each head's own
 ) -> tuple[np.ndarray, np.ndarray]:
     """The held and leaving scores with the old picks taken back and this question's `slots` picks added."""
     held_score = held_score - query_bonus(held_score)
@@ -97,8 +107,9 @@ def pick(
     every_position = np.concatenate([held_positions, new_positions], axis=2)
     competing = (every_position >= candidates_from) & (every_position < candidates_to)
     received = np.where(competing, received, np.float32(0))  # the sinks' and the window's attention spills onto no neighbour
-    pooled = pooled_by_position(received, every_position, int(every_position.max()) + 1, spans, shared)
-    own = pooled_by_position(received, every_position, int(every_position.max()) + 1, None, shared, pool=False) if shared else received
+    length = int(every_position.max()) + 1
+    pooled = pooled_by_position(received, every_position, length, spans, heads)
+    own = received if heads is None else pooled_by_position(received, every_position, length, None, heads, pool=False)
     pooled += np.float32(OWN_SHARE) * own  # ties inside a span or a neighbourhood: its own attention first
     by_position = np.full(pooled.shape[:2] + (int(every_position.max()) + 1,), -np.inf, np.float32)
     layer, head, column = np.nonzero(every_position >= 0)

@@ -62,6 +62,12 @@ class TokenScorer(ABC):
         return False
 
     @property
+    def retrieval_heads(self) -> "np.ndarray | None":
+        """(K, 2) the (layer, KV head) pairs whose question attention finds what a question asks about
+        (kvpop_train.scorer.retrieval_heads), or None: a learned scorer's model ships them."""
+        return None
+
+    @property
     def span_pooling(self) -> str:
         """How the kvpop policy ranks prompt tokens (kvpop.policies.kvpop.text_spans): "" by their own score,
         "line" / "line_contrast" by their line's: for a scorer whose one model-wide ranking was chosen that way."""

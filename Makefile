@@ -196,7 +196,7 @@ eval-real: setup  ## [evaluate] English RULER-like tasks (REAL_TASK_NUM per leng
 			--out-dir $(REAL_QUALITY_DIR)/quality-$(REAL_TASK_SET)-$$tokens || exit 1; \
 	done
 
-PROSE_POLICIES ?= kvpop:mlstm,streaming,h2o,tova
+PROSE_POLICIES ?= kvpop:mlstm,kvpop:mlstm+query,h2o,tova,streaming
 PROSE_COMPRESSIONS ?= 0.75,0.88,0.94
 eval-prose: setup  ## [evaluate] the prose families (facts inside paragraphs, two facts asked together) at 2,048 and 4,096 tokens: build/results/quality-prose-<tokens>/
 	$(MAKE) eval-real REAL_TASK_SET=prose REAL_TASK_FAMILIES=prose_passkey,prose_multikey,prose_multi REAL_TASK_LENGTHS="2048 4096" \

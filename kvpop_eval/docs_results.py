@@ -52,7 +52,7 @@ SPECS = {
                    "SmolLM2-135M-Instruct, 24 prose tasks (test split), 2,048 tokens",
                    "make eval-real REAL_TASK_SET=prose REAL_TASK_LENGTHS=2048 REAL_TASK_NUM=24 "
                    "REAL_TASK_FAMILIES=prose_passkey,prose_multikey,prose_multi "
-                   "REAL_POLICIES=kvpop:mlstm,kvpop:mlstm+query REAL_COMPRESSIONS=0.88,0.94"),
+                   "REAL_POLICIES=kvpop:mlstm,kvpop:mlstm+query,h2o,tova,streaming REAL_COMPRESSIONS=0.75,0.88,0.94"),
         ResultSpec("multiturn", "multiturn/multiturn.json",
                    "SmolLM2-135M-Instruct, 24 twelve-turn chats through sessions (test split)",
                    "make eval-multiturn"),

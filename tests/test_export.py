@@ -136,3 +136,20 @@ def test_a_float16_export_keeps_parity_and_serves_the_same_greedy_tokens(tiny_hf
                 for tag, engine in (("half", half), ("single", single))]
         assert runs[0].output_ids == runs[1].output_ids, config.policy
         assert runs[0].peak_kv_bytes * 2 == runs[1].peak_kv_bytes
+
+
+def test_the_retrieval_heads_travel_with_the_scorers(tmp_path):
+    """retrieval_heads.json beside the trained scorers is copied into the model repository; a stale one
+    is removed when the scorers no longer have it."""
+    from export.pipeline import export_learned_scorers
+    from kvpop.policies.kvpop.runtime import RETRIEVAL_HEADS_FILE
+
+    scorer_dir, output_dir = tmp_path / "scorers", tmp_path / "out"
+    scorer_dir.mkdir()
+    output_dir.mkdir()
+    (scorer_dir / RETRIEVAL_HEADS_FILE).write_text(json.dumps({"heads": [[1, 0]]}))
+    export_learned_scorers(scorer_dir, output_dir, print)
+    assert json.loads((output_dir / RETRIEVAL_HEADS_FILE).read_text())["heads"] == [[1, 0]]
+    (scorer_dir / RETRIEVAL_HEADS_FILE).unlink()
+    export_learned_scorers(scorer_dir, output_dir, print)
+    assert not (output_dir / RETRIEVAL_HEADS_FILE).exists()

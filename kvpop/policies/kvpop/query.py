@@ -111,7 +111,7 @@ def pick(
     pooled = pooled_by_position(received, every_position, length, spans, heads)
     own = received if heads is None else pooled_by_position(received, every_position, length, None, heads, pool=False)
     pooled += np.float32(OWN_SHARE) * own  # ties inside a span or a neighbourhood: its own attention first
-    by_position = np.full(pooled.shape[:2] + (int(every_position.max()) + 1,), -np.inf, np.float32)
+    by_position = np.full(pooled.shape[:2] + (length,), -np.inf, np.float32)
     layer, head, column = np.nonzero(every_position >= 0)
     by_position[layer, head, every_position[layer, head, column]] = pooled[layer, head, column]
 

@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from kvpop.policies.kvpop.runtime import RETRIEVAL_HEADS_FILE
 from kvpop_train.scorer.english_texts import split_sentences
+from kvpop_train.scorer.traces import capturing_attention
 
 CAPTURE = "kvpop_retrieval_heads"
 
@@ -102,16 +103,9 @@ def sentence_ids(offsets: list[tuple[int, int]], text: str) -> torch.Tensor:
 def head_hit_rates(model, tokenizer, records: list[dict], query_window: int = 32, top: int = 3, per_context: int = 3,
                    max_tokens: int = 2048, progress: bool = True, seed: int = 0) -> tuple[torch.Tensor, int]:
     """(L, Hkv) the share of questions whose sentence is among each head's `top` sentences, and how many questions."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
     recorder = _LastQueries(query_window)
-    AttentionInterface.register(CAPTURE, recorder)
-    AttentionMaskInterface.register(CAPTURE, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(CAPTURE)
     hits, asked, rng = None, 0, random.Random(seed)
-    try:
+    with capturing_attention(model, CAPTURE, recorder):
         for record in tqdm(records, desc="retrieval heads", unit="context", disable=not progress):
             for message, sentence in calibration_prompts(record, rng, per_context):
                 prompt = (tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
@@ -131,8 +125,6 @@ def head_hit_rates(model, tokenizer, records: list[dict], query_window: int = 32
                 better = (pooled > pooled[..., target : target + 1]).sum(dim=2)  # (L, Hkv) sentences ranked above it
                 hits = (better < top).float() + (0 if hits is None else hits)
                 asked += 1
-    finally:
-        model.set_attn_implementation(previous)
     if not asked:
         raise ValueError(f"no calibration prompt fits in {max_tokens} tokens")
     return hits / asked, asked

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import random
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -168,6 +169,24 @@ def _combine(runs: list[AttentionSums], lengths: list[int], context: int, window
     return future_mean, first.window
 
 
+@contextmanager
+def capturing_attention(model, name: str, function):
+    """Run `model`'s attention through `function` (registered under `name`) inside the block, then restore it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(name, function)
+    # SDPA's masks: without one registered, transformers passes no mask to a custom attention function,
+    # and SDPA's is_causal is wrong for queries on top of a cache (it aligns the causal mask top-left).
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
 @torch.no_grad()
 def collect_traces(
     model,
@@ -191,19 +210,12 @@ def collect_traces(
     a text is one context plus its continuations, not one context per continuation. Without it every
     run is a whole forward (the original path, kept as the reference the tests compare against).
     """
-    from transformers import AttentionInterface, DynamicCache
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers import DynamicCache
 
     recorder = _Recorder(window, block_size)
-    AttentionInterface.register(CAPTURE_ATTENTION, recorder)
-    # SDPA's masks: without one registered, transformers passes no mask to a custom attention function,
-    # and SDPA's is_causal is wrong for queries on top of a cache (it aligns the causal mask top-left).
-    AttentionMaskInterface.register(CAPTURE_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(CAPTURE_ATTENTION)
     texts = [TraceText(text) if isinstance(text, str) else text for text in texts]
     traces = []
-    try:
+    with capturing_attention(model, CAPTURE_ATTENTION, recorder):
         for text in tqdm(texts, desc="traces", unit="text", disable=not progress):
             runs = [tokenizer(run, return_tensors="pt").input_ids[0] for run in text.runs()]
             context = 0  # first query that counts: the first continuation token
@@ -251,8 +263,6 @@ def collect_traces(
                     sums.append(run_sums)
             future_mean, window_attention = _combine(sums, lengths, context, window)
             traces.append(Trace(key, value, future_importance(future_mean), window_attention))
-    finally:
-        model.set_attn_implementation(previous)
     return traces
 
 

@@ -104,7 +104,7 @@ def test_a_pick_is_pooled_over_its_span():
     spans = TextSpans.of_prompt([0, 0, 1, 0, 0, 0, 1, 0], np.array([False, True]), "sentence")  # [0..2] [3..6] [7]
     received = np.zeros((1, 1, 8), np.float32)
     received[0, 0, 4] = 1.0
-    pooled = query.pooled_by_position(received, np.arange(8)[None, None], 8, spans)[0, 0]
+    pooled = query.pool_over_spans(query.question_value(received), spans)[0, 0]
     assert (pooled[3:7] == pooled[4]).all() and pooled[4] > 0 and not pooled[:3].any() and pooled[7] == 0
 
 
@@ -114,7 +114,7 @@ def test_attention_counts_relative_to_its_surroundings():
     received = np.full((1, 1, 1000), 0.01, np.float32)
     received[0, 0, :100] = 0.5  # the first paragraph: much attention everywhere
     received[0, 0, 700] = 0.2  # a needle: less than the first paragraph's tokens, far above its own surroundings
-    pooled = query.pooled_by_position(received, np.arange(1000)[None, None], 1000, None, pool=False)[0, 0]
+    pooled = query.question_value(received)[0, 0]
     assert pooled[700] > pooled[:100].max()
 
 
@@ -128,7 +128,7 @@ def test_retrieval_heads_pick_once_for_every_cache():
     received[0, 1, 6] = 3.0  # ... and so does the other one, on a larger scale
     received[0, 0, 2] = 50.0  # a head that is not listened to looks at position 2
     heads = np.array([[1, 0], [0, 1]])
-    pooled = query.pooled_by_position(received, positions, 10, None, heads, pool=False)
+    pooled = query.question_value(query.by_position(received, positions, 10), heads)
     assert (pooled == pooled[:1, :1]).all()  # one value a position, in every cache
     assert pooled[0, 0].argmax() == 6 and pooled[0, 0, 6] == pytest.approx(2.0)  # 1 + 1: each head's share of its largest
 

@@ -55,33 +55,40 @@ def local_mean(values: np.ndarray, half: int) -> np.ndarray:
     return ((total[..., high] - total[..., low]) / (high - low)).astype(np.float32)
 
 
-def pooled_by_position(received: np.ndarray, positions: np.ndarray, length: int, spans: "TextSpans | None",
-                       heads: "np.ndarray | None" = None, pool: bool = True) -> np.ndarray:
-    """(L, Hkv, N) attention received at `positions` (L, Hkv, N) -> what each position is worth to the
-    question, pooled over its neighbourhood: the largest over its prompt span, else over +-NEIGHBOURS
-    positions. `heads` None: each head's own, relative to the mean attention of the CONTRAST_WIDTH
-    positions around it (attention falls with distance, and the first paragraphs take a large share of it
-    whatever they say: what the question looks for stands out from its surroundings). `heads` (K, 2): one
-    model-wide value a position, the sum over those (layer, KV head) pairs (the retrieval heads) of their
-    attention as a share of its largest value. `pool` False: each position's own value."""
-    num_layers, num_kv_heads, _ = received.shape
-    dense = np.zeros((num_layers, num_kv_heads, length), np.float32)  # by position; evicted ones received 0
-    valid = positions >= 0
-    layer, head, _ = np.nonzero(valid)
-    dense[layer, head, positions[valid]] = received[valid]
+def by_position(values: np.ndarray, positions: np.ndarray, length: int) -> np.ndarray:
+    """(L, Hkv, N) values of the tokens at `positions` (L, Hkv, N), -1 empty -> (L, Hkv, length) by
+    position, 0 where a cache holds no token."""
+    dense = np.zeros(values.shape[:2] + (length,), np.float32)
+    layer, head, column = np.nonzero(positions >= 0)
+    dense[layer, head, positions[layer, head, column]] = values[layer, head, column]
+    return dense
+
+
+def question_value(attention: np.ndarray, heads: "np.ndarray | None" = None) -> np.ndarray:
+    """(L, Hkv, N) attention received by position -> what each position is worth to the question.
+    `heads` None: each head's own, relative to the mean attention of the CONTRAST_WIDTH positions around it
+    (attention falls with distance, and the first paragraphs take a large share of it whatever they say:
+    what the question looks for stands out from its surroundings). `heads` (K, 2): one model-wide value a
+    position, the sum over those (layer, KV head) pairs (the retrieval heads) of their attention as a share
+    of its largest value."""
     if heads is None:
-        dense = dense / (local_mean(dense, CONTRAST_WIDTH // 2) + np.float32(1e-6))  # how far it stands out around it
-    else:
-        listened = dense[heads[:, 0], heads[:, 1]]  # (K, N)
-        listened = listened / (listened.max(axis=1, keepdims=True) + np.float32(1e-9))
-        dense = np.broadcast_to(listened.sum(axis=0), dense.shape).copy()
-    if pool and spans is not None and spans.prompt_length:
+        return attention / (local_mean(attention, CONTRAST_WIDTH // 2) + np.float32(1e-6))
+    listened = attention[heads[:, 0], heads[:, 1]]  # (K, N)
+    listened = listened / (listened.max(axis=1, keepdims=True) + np.float32(1e-9))
+    return np.broadcast_to(listened.sum(axis=0), attention.shape).copy()
+
+
+def pool_over_spans(value: np.ndarray, spans: "TextSpans | None") -> np.ndarray:
+    """(L, Hkv, N) -> (L, Hkv, N): each position takes the largest value over its prompt span (a sentence
+    is picked whole), else over +-NEIGHBOURS positions (SnapKV's pooling)."""
+    length = value.shape[-1]
+    if spans is not None and spans.prompt_length:
         prompt = min(spans.prompt_length, length)
-        dense[..., :prompt] = spans.segment_max(dense[..., : spans.prompt_length])[..., :prompt]
-    elif pool:
-        padded = np.pad(dense, ((0, 0), (0, 0), (NEIGHBOURS, NEIGHBOURS)))
-        dense = np.max([padded[..., shift : shift + length] for shift in range(2 * NEIGHBOURS + 1)], axis=0)
-    return np.take_along_axis(dense, np.where(valid, positions, 0), axis=2)
+        value = value.copy()
+        value[..., :prompt] = spans.segment_max(value[..., : spans.prompt_length])[..., :prompt]
+        return value
+    padded = np.pad(value, ((0, 0), (0, 0), (NEIGHBOURS, NEIGHBOURS)))
+    return np.max([padded[..., shift : shift + length] for shift in range(2 * NEIGHBOURS + 1)], axis=0)
 
 
 def pick(
@@ -107,17 +114,14 @@ def pick(
     every_position = np.concatenate([held_positions, new_positions], axis=2)
     competing = (every_position >= candidates_from) & (every_position < candidates_to)
     received = np.where(competing, received, np.float32(0))  # the sinks' and the window's attention spills onto no neighbour
-    length = int(every_position.max()) + 1
-    pooled = pooled_by_position(received, every_position, length, spans, heads)
-    own = received if heads is None else pooled_by_position(received, every_position, length, None, heads, pool=False)
-    pooled += np.float32(OWN_SHARE) * own  # ties inside a span or a neighbourhood: its own attention first
-    by_position = np.full(pooled.shape[:2] + (length,), -np.inf, np.float32)
-    layer, head, column = np.nonzero(every_position >= 0)
-    by_position[layer, head, every_position[layer, head, column]] = pooled[layer, head, column]
+    attention = by_position(received, every_position, int(every_position.max()) + 1)  # (L, Hkv, N)
+    worth = question_value(attention, heads)
+    own = attention if heads is None else worth
+    worth = pool_over_spans(worth, spans) + np.float32(OWN_SHARE) * own  # ties inside a span or a neighbourhood: its own value first
 
     def value(positions: np.ndarray) -> np.ndarray:  # (L, Hkv, K) pooled attention, -inf for non-candidates
         candidate = (positions >= candidates_from) & (positions < candidates_to)
-        looked_up = np.take_along_axis(by_position, np.clip(positions, 0, by_position.shape[2] - 1), axis=2)
+        looked_up = np.take_along_axis(worth, np.clip(positions, 0, worth.shape[2] - 1), axis=2)
         return np.where(candidate, looked_up, -np.inf)
 
     held_value, leaving_value = value(held_positions), value(leaving_positions)

@@ -202,6 +202,19 @@ eval-prose: setup  ## [evaluate] the prose families (facts inside paragraphs, tw
 	$(MAKE) eval-real REAL_TASK_SET=prose REAL_TASK_FAMILIES=prose_passkey,prose_multikey,prose_multi REAL_TASK_LENGTHS="2048 4096" \
 		REAL_TASK_NUM=48 REAL_POLICIES=$(PROSE_POLICIES) REAL_COMPRESSIONS=$(PROSE_COMPRESSIONS)
 
+REAL_KVPRESS_PRESSES ?= snapkv,expected_attention
+REAL_KVPRESS_COMPRESSIONS ?= 0.88,0.94
+eval-real-kvpress: setup kvpress-env  ## [evaluate] kvpress presses (REAL_KVPRESS_PRESSES, the prompt with its question pruned once) on a finished eval-real run's tasks (same variables), merged into its sweep
+	@for tokens in $(REAL_TASK_LENGTHS); do \
+		tasks=build/real-tasks/$(if $(filter-out real,$(REAL_TASK_SET)),$(REAL_TASK_SET)-)$(REAL_TASK_SPLIT)-$$tokens.jsonl; \
+		dir=$(REAL_QUALITY_DIR)/quality-$(REAL_TASK_SET)-$$tokens; \
+		test -f $$dir/sweep.json || { echo "no $$dir/sweep.json: run 'make eval-real' with the same variables first"; exit 1; }; \
+		$(KVPRESS_PY) -m kvpop_eval.kvpress_compare run --model $(or $(MODEL),$(REAL_MODEL)) --tasks $$tasks --variants prefill \
+			--presses $(REAL_KVPRESS_PRESSES) --compressions $(REAL_KVPRESS_COMPRESSIONS) --max-tokens $(REAL_MAX_TOKENS) \
+			--scoring contains --out $$dir/kvpress.json && \
+		$(PY) -m kvpop_eval.kvpress_compare merge --kvpress $$dir/kvpress.json --sweep-dir $$dir || exit 1; \
+	done
+
 MULTITURN_SPLIT ?= test
 MULTITURN_NUM ?= 24
 MULTITURN_TURNS ?= 12

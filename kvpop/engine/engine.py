@@ -17,7 +17,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 from kvpop.cache.manager import CacheManager, KVReservations
 from kvpop.cache.prefix_cache import PrefixCache
@@ -163,15 +163,19 @@ class Engine:
         """The cache manager's session store (finished turns with a session_id are kept there)."""
         return self.cache_manager.sessions
 
-    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        """Run `requests` to completion (in-flight batched) and return their results in order."""
+    def generate(self, requests: list[GenerationRequest],
+                 on_finished: Callable[[str], None] | None = None) -> list[GenerationResult]:
+        """Run `requests` to completion (in-flight batched) and return their results in order;
+        `on_finished(request_id)` as each one ends (progress of a long evaluation)."""
         for request in requests:
             self.add_request(request)
         pending = {request.request_id for request in requests}
         while pending:
             for event in self.step():
-                if event.finished:
+                if event.finished and event.request_id in pending:
                     pending.discard(event.request_id)
+                    if on_finished is not None:
+                        on_finished(event.request_id)
         return [self.result(request.request_id) for request in requests]
 
     def step(self) -> list[TokenEvent]:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import time
 from pathlib import Path
+
+from tqdm import tqdm
 
 from kvpop.engine import Engine
 from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
@@ -24,8 +27,11 @@ def evaluate(
         GenerationRequest(f"task-{index}", encode(tokenizer, task["prompt"]), SamplingParams(max_tokens=max_tokens), cache)
         for index, task in enumerate(tasks)
     ]
+    label = cache.policy if cache.policy != "kvpop" else f"kvpop:{cache.scorer}"
+    label += f" @ {cache.compression:.0%}" if cache.compression else ""
     start = time.perf_counter()
-    results = engine.generate(requests)
+    with tqdm(total=len(requests), desc=label, unit="task", file=sys.stderr, dynamic_ncols=True, leave=False) as progress:
+        results = engine.generate(requests, on_finished=lambda _: progress.update())
     seconds = time.perf_counter() - start
     rows = []
     for task, result in zip(tasks, results):

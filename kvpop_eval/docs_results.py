@@ -47,17 +47,22 @@ SPECS = {
         ResultSpec("quality-real-2048", "quality-real-2048/sweep.json",
                    "SmolLM2-135M-Instruct, 48 English tasks (test split), 2,048 tokens",
                    "make eval-real REAL_TASK_LENGTHS=2048 REAL_TASK_NUM=48 REAL_TASK_FAMILIES=passkey,multikey "
-                   "REAL_POLICIES=kvpop:mlstm,streaming"),
+                   "REAL_POLICIES=kvpop:mlstm,kvpop:mlstm+query,streaming"),
         ResultSpec("quality-prose-2048", "quality-prose-2048/sweep.json",
                    "SmolLM2-135M-Instruct, 24 prose tasks (test split), 2,048 tokens",
                    "make eval-real REAL_TASK_SET=prose REAL_TASK_LENGTHS=2048 REAL_TASK_NUM=24 "
                    "REAL_TASK_FAMILIES=prose_passkey,prose_multikey,prose_multi "
-                   "REAL_POLICIES=kvpop:mlstm,kvpop:mlstm+query,h2o,tova,streaming REAL_COMPRESSIONS=0.75,0.88,0.94"),
+                   "REAL_POLICIES=kvpop:mlstm,kvpop:mlstm+query,h2o,tova,streaming REAL_COMPRESSIONS=0.75,0.88,0.94 "
+                   "&& make eval-real-kvpress REAL_TASK_SET=prose REAL_TASK_LENGTHS=2048"),
         ResultSpec("quality-prose-4096", "quality-prose-4096/sweep.json",
                    "SmolLM2-135M-Instruct, 12 prose tasks (test split), 4,096 tokens",
                    "make eval-real REAL_TASK_SET=prose REAL_TASK_LENGTHS=4096 REAL_TASK_NUM=12 "
                    "REAL_TASK_FAMILIES=prose_passkey,prose_multikey,prose_multi "
                    "REAL_POLICIES=kvpop:mlstm+query REAL_COMPRESSIONS=0.88,0.94"),
+        ResultSpec("quality-multikey-4096", "quality-multikey-4096/sweep.json",
+                   "SmolLM2-135M-Instruct, 24 multi-key questions (test split), 4,096 tokens",
+                   "make eval-real REAL_TASK_SET=multikey REAL_TASK_LENGTHS=4096 REAL_TASK_NUM=24 REAL_TASK_FAMILIES=multikey "
+                   "REAL_POLICIES=kvpop:mlstm+query REAL_COMPRESSIONS=0.94"),
         ResultSpec("multiturn", "multiturn/multiturn.json",
                    "SmolLM2-135M-Instruct, 24 twelve-turn chats through sessions (test split)",
                    "make eval-multiturn"),
@@ -229,7 +234,7 @@ def headline_table(results: dict[str, dict | None], manifest: dict) -> str:
     """One table: quality and KV memory per sequence at 50/75/88/94%, service speed, each with its command."""
     header = ["| result | full cache | 50% | 75% | 88% | 94% | reproduce |", "|---|---|---|---|---|---|---|"]
     lines = list(header)
-    for name in ("quality-real-2048", "quality-prose-2048", "quality-prose-4096", "quality-reference-2048"):
+    for name in ("quality-real-2048", "quality-prose-2048", "quality-prose-4096", "quality-multikey-4096", "quality-reference-2048"):
         sweep = results.get(name)
         if sweep is None:
             lines.append(f"| {SPECS[name].title}: not published yet | | | | | | `{SPECS[name].command}` |")
@@ -262,8 +267,8 @@ def headline_table(results: dict[str, dict | None], manifest: dict) -> str:
             speed = "; ".join(f"({w['name']}) {ratio_range(service, w['name'], key)}" for w in service["workloads"])
             lines.append(f"| service output tokens/s, kvpop at 88% vs the {against} (reference model) | | | | "
                          f"{speed} | | `{spec.command}` |")
-    shown = ("quality-real-2048", "quality-prose-2048", "quality-prose-4096", "quality-reference-2048", "multiturn",
-             "service-reference")
+    shown = ("quality-real-2048", "quality-prose-2048", "quality-prose-4096", "quality-multikey-4096", "quality-reference-2048",
+             "multiturn", "service-reference")
     commits = sorted({manifest.get(name, {}).get("commit", "unknown")[:12] for name in shown if results.get(name)})
     legend = ("Cells: accuracy [95% Wilson interval], fraction of the full cache's accuracy, tasks only this "
               "policy / only the full cache answers. Service workloads: (a) 2,048-token prompts, (c) many users in a "

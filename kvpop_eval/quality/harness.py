@@ -27,7 +27,7 @@ def evaluate(
         GenerationRequest(f"task-{index}", encode(tokenizer, task["prompt"]), SamplingParams(max_tokens=max_tokens), cache)
         for index, task in enumerate(tasks)
     ]
-    label = cache.policy if cache.policy != "kvpop" else f"kvpop:{cache.scorer}"
+    label = cache.policy if cache.policy != "kvpop" else f"kvpop:{cache.scorer}" + ("+query" if cache.query_window else "")
     label += f" @ {cache.compression:.0%}" if cache.compression else ""
     start = time.perf_counter()
     with tqdm(total=len(requests), desc=label, unit="task", file=sys.stderr, dynamic_ncols=True, leave=False) as progress:

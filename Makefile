@@ -196,7 +196,7 @@ eval-real: setup  ## [evaluate] English RULER-like tasks (REAL_TASK_NUM per leng
 			--out-dir $(REAL_QUALITY_DIR)/quality-$(REAL_TASK_SET)-$$tokens || exit 1; \
 	done
 
-PROSE_POLICIES ?= kvpop:mlstm,kvpop:mlstm+query,h2o,tova,streaming
+PROSE_POLICIES ?= kvpop:mlstm,kvpop:mlstm+noquery,h2o,tova,streaming
 PROSE_COMPRESSIONS ?= 0.75,0.88,0.94
 eval-prose: setup  ## [evaluate] the prose families (facts inside paragraphs, two facts asked together) at 2,048 and 4,096 tokens: build/results/quality-prose-<tokens>/
 	$(MAKE) eval-real REAL_TASK_SET=prose REAL_TASK_FAMILIES=prose_passkey,prose_multikey,prose_multi REAL_TASK_LENGTHS="2048 4096" \
@@ -223,7 +223,7 @@ eval-multiturn: setup  ## [evaluate] chats whose first turn's fact is asked MULT
 	$(PY) -m kvpop_eval.multiturn write --split $(MULTITURN_SPLIT) --num $(MULTITURN_NUM) --turns $(MULTITURN_TURNS) \
 		--out build/real-tasks/multiturn-$(MULTITURN_SPLIT).jsonl
 	$(PY) -m kvpop_eval.multiturn run --model model_repository/kvpop_engine/1 --tasks build/real-tasks/multiturn-$(MULTITURN_SPLIT).jsonl \
-		--policies full,kvpop:mlstm,kvpop:mlstm+query,streaming --compressions 0.88 --out-dir $(RESULTS_OUT)/multiturn
+		--policies full,kvpop:mlstm,kvpop:mlstm+noquery,streaming --compressions 0.88 --out-dir $(RESULTS_OUT)/multiturn
 
 tasks: setup  ## write 200 reference tasks of TASK_SPLIT (default heldout) at TASK_TOKENS (default 2048) to build/tasks/
 	$(PY) -m kvpop_eval.tasks write --split $(TASK_SPLIT) --num 200 --context-tokens $(TASK_TOKENS) $(if $(TASK_FACTS),--num-facts $(TASK_FACTS)) --out $(TASKS_FILE)

@@ -24,9 +24,12 @@ class ServiceConfig:
     default_policy: str = "full"  # eviction policy when a request names none
     kvpop_scorer: str = "auto"  # the kvpop policy's scorer: auto (learned mLSTM when exported), mlstm, mlp, accumulated_attention
     # > 0: a prompt that enters whole lets its last this many tokens (the question) pick half of kvpop's long-range
-    # slots by their attention (kvpop.policies.kvpop.query); 0: off
-    kvpop_query_window: int = 0
-    kvpop_span_pooling: str = "auto"  # how kvpop ranks prompt tokens by span: auto (as the scorer was trained), line_contrast, sentence_contrast, ...
+    # slots by their attention (kvpop.policies.kvpop.query); 0: off; auto: 32 when the learned scorer's model ships
+    # retrieval heads (retrieval_heads.json), else off
+    kvpop_query_window: str = "auto"
+    # how kvpop ranks prompt tokens by span: auto (sentence_contrast when the question picks, else as the scorer was
+    # trained), line_contrast, sentence_contrast, ...
+    kvpop_span_pooling: str = "auto"
     default_kv_budget: int = 512  # slots per head for a bounded policy when a request names no budget
     max_prompt_tokens: int = 4096  # longer prompts are rejected with an invalid-argument error
     max_output_tokens: int = 1024  # upper bound for a request's max_tokens
@@ -82,8 +85,8 @@ class ServiceConfig:
         scorers = ["auto", *LEARNED_SCORER_KINDS, *SCORERS]
         if self.kvpop_scorer not in scorers:
             raise ValueError(f"parameter kvpop_scorer {self.kvpop_scorer!r} is not one of {scorers}")
-        if self.kvpop_query_window < 0:
-            raise ValueError(f"parameter kvpop_query_window must be >= 0, got {self.kvpop_query_window}")
+        if self.kvpop_query_window != "auto" and not (self.kvpop_query_window.isdigit() and int(self.kvpop_query_window) >= 0):
+            raise ValueError(f"parameter kvpop_query_window must be auto or an integer >= 0, got {self.kvpop_query_window!r}")
         if self.kvpop_span_pooling != "auto" and self.kvpop_span_pooling not in SPAN_POOLINGS:
             raise ValueError(f"parameter kvpop_span_pooling {self.kvpop_span_pooling!r} is not auto or one of {SPAN_POOLINGS}")
         if self.text_input_chat not in TEXT_INPUT_CHAT:
@@ -98,9 +101,11 @@ class ServiceConfig:
             raise ValueError(f"parameter warm_prefix_policies names unknown policies {unknown}; known: {sorted(POLICIES)}")
 
     def kvpop_options(self, scorer: str) -> dict[str, Any]:
-        """CacheConfig fields of every kvpop request (query_window; span_pooling, which only a learned `scorer` has)."""
+        """CacheConfig fields of every kvpop request (query_window; span_pooling, which only a learned `scorer` has);
+        an `auto` parameter leaves its field to the policy's default."""
         spans = self.kvpop_span_pooling != "auto" and scorer in LEARNED_SCORER_KINDS
-        return {"query_window": self.kvpop_query_window, **({"span_pooling": self.kvpop_span_pooling} if spans else {})}
+        return {**({"query_window": int(self.kvpop_query_window)} if self.kvpop_query_window != "auto" else {}),
+                **({"span_pooling": self.kvpop_span_pooling} if spans else {})}
 
     @classmethod
     def from_model_config(cls, model_config: dict[str, Any]) -> "ServiceConfig":

@@ -11,6 +11,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvpop.engine import Engine
+from kvpop.policies.kvpop import query
 from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
 from kvpop_eval.provenance import stamp
 from kvpop_eval.quality.report import markdown_table, plot_sweep, summary_row
@@ -18,16 +19,18 @@ from kvpop_eval.quality.tasks_io import encode, scorer
 
 
 def evaluate(
-    engine: Engine, tasks: list[dict], cache: CacheConfig, max_tokens: int, scoring: str = "final_answer"
+    engine: Engine, tasks: list[dict], cache: CacheConfig, max_tokens: int, scoring: str = "final_answer",
+    label: str | None = None,
 ) -> dict:
-    """Run every task greedily under `cache`; return the report (summary + one row per task)."""
+    """Run every task greedily under `cache`; return the report (summary + one row per task). `label`: the
+    progress bar's name (a sweep row's), else the policy's."""
     tokenizer, is_correct = engine.tokenizer, scorer(scoring)
     policy = cache.build_policy(engine.learned_scorers)
     requests = [
         GenerationRequest(f"task-{index}", encode(tokenizer, task["prompt"]), SamplingParams(max_tokens=max_tokens), cache)
         for index, task in enumerate(tasks)
     ]
-    label = cache.policy if cache.policy != "kvpop" else f"kvpop:{cache.scorer}" + ("+query" if cache.query_window else "")
+    label = label or (cache.policy if cache.policy != "kvpop" else f"kvpop:{cache.scorer}")
     label += f" @ {cache.compression:.0%}" if cache.compression else ""
     start = time.perf_counter()
     with tqdm(total=len(requests), desc=label, unit="task", file=sys.stderr, dynamic_ncols=True, leave=False) as progress:
@@ -71,9 +74,13 @@ def evaluate(
     }
 
 
-# Named kvpop variants a sweep row may ask for with a suffix (`kvpop:mlstm+query`): what the service's
-# parameters of the same name set (docs/CONFIGURATION.md: kvpop_query_window, kvpop_span_pooling).
-KVPOP_VARIANTS = {"query": {"query_window": 32, "span_pooling": "sentence_contrast"}}
+# Named kvpop variants a sweep row may ask for with a suffix (`kvpop:mlstm+noquery`): what the service's
+# parameters of the same name set (docs/CONFIGURATION.md: kvpop_query_window, kvpop_span_pooling). Plain
+# `kvpop:SCORER` is the service default: query-aware where the scorer's model ships retrieval heads.
+KVPOP_VARIANTS = {
+    "query": {"query_window": query.WINDOW, "span_pooling": query.SPAN_POOLING},  # on, whatever the model ships
+    "noquery": {"query_window": 0},  # the learned ranking alone, prompt spans as the scorer was trained
+}
 
 
 def policy_config(policy: str, ratio: float | None, sinks: int = 4, window: int = 64, kvpop_options: dict | None = None,
@@ -131,7 +138,7 @@ def sweep(
                     summary.append({**summary_row(full, policy, 0.0), "note": "no eviction at 0%: the full cache"})
                 continue
             config = policy_config(policy, ratio, sinks, window, kvpop_options)
-            report = evaluate(engine, tasks, config, max_tokens, scoring)
+            report = evaluate(engine, tasks, config, max_tokens, scoring, label=policy)
             summary.append(summary_row(report, policy, ratio))
             save(False)
             print(f"{policy} @ {ratio:.0%}: accuracy {report['accuracy']:.3f} ({report['seconds']:.0f} s)", flush=True)

@@ -45,7 +45,8 @@ def summary_row(report: dict, policy: str, ratio: float) -> dict:
             "prefilled_whole")
     # One character per task, in task order, so any two rows can be compared task by task.
     correct = "".join("1" if row["correct"] else "0" for row in report["rows"])
-    return {"policy": policy, "compression": ratio, **{key: report[key] for key in keys}, "correct_by_task": correct}
+    settings = {key: report[key] for key in ("query_window", "span_pooling") if key in report}  # what a kvpop row ran
+    return {"policy": policy, "compression": ratio, **settings, **{key: report[key] for key in keys}, "correct_by_task": correct}
 
 
 def wilson_interval(successes: int, count: int, z: float = 1.96) -> tuple[float, float]:

@@ -134,8 +134,9 @@ def test_retrieval_heads_pick_once_for_every_cache():
 
 
 def test_retrieval_heads_ship_beside_the_scorer(tiny_onnx_model_dir, tmp_path):
-    """retrieval_heads.json beside the exported scorers reaches the policy ("auto" listens to them); without
-    it "auto" picks per head and asking for "retrieval" is an error."""
+    """retrieval_heads.json beside the exported scorers reaches the policy ("auto" listens to them) and turns the
+    question's pick on by default (query.WINDOW, sentence spans); without it the default is off, "auto" picks per
+    head and asking for "retrieval" is an error."""
     import json
     import shutil
 
@@ -146,6 +147,8 @@ def test_retrieval_heads_ship_beside_the_scorer(tiny_onnx_model_dir, tmp_path):
     shutil.copytree(tiny_onnx_model_dir, model_dir)
     (model_dir / RETRIEVAL_HEADS_FILE).unlink(missing_ok=True)
     without = {"mlstm": LearnedScorer.load(model_dir, "mlstm")}
+    default = make_policy("kvpop", without, scorer="mlstm")
+    assert (default.query_window, default.span_pooling) == (0, without["mlstm"].span_pooling)
     assert make_policy("kvpop", without, scorer="mlstm", query_window=4).query_heads == "head"
     with pytest.raises(ValueError, match="retrieval"):
         make_policy("kvpop", without, scorer="mlstm", query_window=4, query_heads="retrieval")
@@ -153,6 +156,10 @@ def test_retrieval_heads_ship_beside_the_scorer(tiny_onnx_model_dir, tmp_path):
     scorer = LearnedScorer.load(model_dir, "mlstm")
     assert scorer.retrieval_heads.tolist() == [[1, 0], [0, 1]]
     assert make_policy("kvpop", {"mlstm": scorer}, scorer="mlstm", query_window=4).query_heads == "retrieval"
+    default = make_policy("kvpop", {"mlstm": scorer}, scorer="mlstm")
+    sentences = query.SPAN_POOLING if scorer.shared_ranking else ""  # spans need one model-wide ranking
+    assert (default.query_window, default.span_pooling, default.query_heads) == (query.WINDOW, sentences, "retrieval")
+    assert make_policy("kvpop", {"mlstm": scorer}, scorer="mlstm", query_window=0).query_window == 0  # off on request
     (model_dir / RETRIEVAL_HEADS_FILE).write_text(json.dumps({"heads": [[99, 0]]}))
     with pytest.raises(ValueError, match="outside"):
         LearnedScorer.load(model_dir, "mlstm")

@@ -282,14 +282,15 @@ def test_query_aware_kvpop_is_a_service_parameter():
     values fail at load with the parameter's name."""
     from kvpop.serving.request import request_cache_config
 
-    config = ServiceConfig(kvpop_query_window=32, kvpop_span_pooling="sentence_contrast")
+    config = ServiceConfig(kvpop_query_window="32", kvpop_span_pooling="sentence_contrast")
     kvpop = request_cache_config("kvpop", None, 0.88, config, "mlstm")
     assert (kvpop.query_window, kvpop.span_pooling) == (32, "sentence_contrast")
     stand_in = request_cache_config("kvpop", None, 0.88, config, "accumulated_attention")  # ranks no spans
     assert (stand_in.query_window, stand_in.span_pooling) == (32, None)
     streaming = request_cache_config("streaming", 64, None, config, "accumulated_attention")
     assert (streaming.query_window, streaming.span_pooling) == (None, None)
-    assert request_cache_config("kvpop", 64, None, ServiceConfig(), "mlstm").span_pooling is None  # auto: the scorer's
-    for bad in ({"kvpop_query_window": -1}, {"kvpop_span_pooling": "paragraph"}):
+    default = request_cache_config("kvpop", 64, None, ServiceConfig(), "mlstm")
+    assert (default.query_window, default.span_pooling) == (None, None)  # auto: the policy's default (the scorer's model)
+    for bad in ({"kvpop_query_window": "-1"}, {"kvpop_query_window": "half"}, {"kvpop_span_pooling": "paragraph"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             ServiceConfig(**bad)

@@ -50,8 +50,12 @@ class KVpopPolicy(EvictionPolicy):
     scorer: "str | TokenScorer" = "accumulated_attention"
     window_share: float = 0.25  # the window takes at most this share of the budget ...
     min_window: int = 32  # ... but never fewer tokens than this (nor more than `window`)
-    span_pooling: "str | None" = None  # how prompt tokens are ranked by span (text_spans.py); None: as the scorer was trained
-    query_window: int = 0  # > 0: a prompt entering whole lets its last this many queries pick (query.py) ...
+    # How prompt tokens are ranked by span (text_spans.py); None: query.SPAN_POOLING when the question picks (below),
+    # else as the scorer was trained.
+    span_pooling: "str | None" = None
+    # > 0: a prompt entering whole lets its last this many queries pick (query.py) ...; None: query.WINDOW when the
+    # learned scorer's model ships retrieval heads (what docs/QUALITY.md measured), else 0 (off)
+    query_window: "int | None" = None
     query_share: float = 0.5  # ... this share of the long-range slots,
     # "head": each KV head picks its own (SnapKV); "retrieval": one pick for every cache, from the retrieval heads'
     # attention (the learned scorer's model ships them: query.py); "auto": retrieval when they ship, else head
@@ -63,16 +67,20 @@ class KVpopPolicy(EvictionPolicy):
             raise ValueError(f"kvpop: sinks and window must be >= 0, got sinks={self.sinks} window={self.window}")
         if not 0.0 < self.window_share <= 1.0 or self.min_window < 0:
             raise ValueError(f"kvpop: window_share must be in (0, 1] and min_window >= 0, got {self.window_share}, {self.min_window}")
-        if self.query_window < 0 or not 0.0 <= self.query_share <= 1.0 or self.query_heads not in QUERY_HEADS:
+        if (self.query_window is not None and self.query_window < 0) or not 0.0 <= self.query_share <= 1.0 \
+                or self.query_heads not in QUERY_HEADS:
             raise ValueError(f"kvpop: query_window must be >= 0, query_share in [0, 1] and query_heads one of {QUERY_HEADS}, "
                              f"got {self.query_window}, {self.query_share}, {self.query_heads!r}")
         self._scorer = make_scorer(self.scorer)
+        if self.query_window is None:
+            self.query_window = query.WINDOW if self._scorer.retrieval_heads is not None else 0
         if self.query_heads == "auto":
             self.query_heads = "head" if self._scorer.retrieval_heads is None else "retrieval"
         elif self.query_heads == "retrieval" and self._scorer.retrieval_heads is None:
             raise ValueError("kvpop: query_heads 'retrieval' needs a learned scorer whose model ships retrieval_heads.json")
         if self.span_pooling is None:
-            self.span_pooling = self._scorer.span_pooling
+            picks = self.query_window > 0 and self._scorer.shared_ranking
+            self.span_pooling = query.SPAN_POOLING if picks else self._scorer.span_pooling
         elif self.span_pooling and not self._scorer.shared_ranking:
             raise ValueError(f"kvpop: span_pooling {self.span_pooling!r} needs a learned scorer with one model-wide ranking")
         check_span_pooling(self.span_pooling, shared_ranking=True)

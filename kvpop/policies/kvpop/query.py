@@ -28,6 +28,12 @@ import numpy as np
 if TYPE_CHECKING:
     from kvpop.policies.kvpop.text_spans import TextSpans
 
+# The service default where the learned scorer's model ships retrieval heads (KVpopPolicy.query_window None):
+# the question's last WINDOW tokens pick, and prompt tokens are ranked by sentence (facts inside running text),
+# as chosen on the prose families' validation split (docs/QUALITY.md).
+WINDOW = 32
+SPAN_POOLING = "sentence_contrast"
+
 # Added to the score of a token the prompt's question picked: far above any learned score, so those tokens
 # outrank the rest until the next question re-picks.
 QUERY_BONUS = np.float32(1e4)

@@ -1,5 +1,7 @@
 """kvpop's own cost per token in the engine (a program, not a test): full vs kvpop with each learned
-scorer, with the vectorised decode path on and off, in one run with interleaved repetitions.
+scorer, with the vectorised decode path on and off, and, where the model ships retrieval heads (the
+default then lets the question pick, kvpop.policies.kvpop.query), without that pick: in one run with
+interleaved repetitions.
 
     python -m kvpop_eval.bench.engine overhead --model build/bench/reference --out-dir build/results/overhead
 
@@ -30,15 +32,19 @@ from kvpop_eval.provenance import stamp
 from kvpop_eval.timing import medians
 
 
-def systems(scorers: list[str], compression: float, budget: int | None = None) -> dict[str, tuple[CacheConfig, bool]]:
+def systems(scorers: list[str], compression: float, budget: int | None = None,
+            query_aware: tuple[str, ...] = ()) -> dict[str, tuple[CacheConfig, bool]]:
     """name -> (cache config, vectorised decode on); kvpop at `budget` slots per head when given, else
-    at `compression` (a short prompt at 88% leaves no long-range slot: then no scorer runs)."""
+    at `compression` (a short prompt at 88% leaves no long-range slot: then no scorer runs). The scorers
+    in `query_aware` (their model ships retrieval heads) also run with the question's pick off."""
     table = {"full": (CacheConfig(policy="full"), True)}
     for kind in scorers:
         size = {"budget": budget} if budget is not None else {"compression": compression}
         config = CacheConfig(policy="kvpop", scorer=kind, **size)
         table[f"kvpop:{kind}"] = (config, True)
         table[f"kvpop:{kind} per-sequence"] = (config, False)
+        if kind in query_aware:
+            table[f"kvpop:{kind}+noquery"] = (CacheConfig(policy="kvpop", scorer=kind, query_window=0, **size), True)
     return table
 
 
@@ -56,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     probe = build_engine(args.model)
-    table = systems(sorted(probe.learned_scorers), args.compression, args.budget)
+    query_aware = tuple(kind for kind, scorer in probe.learned_scorers.items() if scorer.retrieval_heads is not None)
+    table = systems(sorted(probe.learned_scorers), args.compression, args.budget, query_aware)
     engines = {}
     for name, (_, batched) in table.items():
         engines[name] = build_engine(args.model, max_batch_size=args.batch, min_bounded_chunk=args.min_chunk)

@@ -55,10 +55,10 @@ SPECS = {
                    "REAL_POLICIES=kvpop:mlstm,kvpop:mlstm+noquery,h2o,tova,streaming REAL_COMPRESSIONS=0.75,0.88,0.94 "
                    "&& make eval-real-kvpress REAL_TASK_SET=prose REAL_TASK_LENGTHS=2048"),
         ResultSpec("quality-prose-4096", "quality-prose-4096/sweep.json",
-                   "SmolLM2-135M-Instruct, 12 prose tasks (test split), 4,096 tokens",
-                   "make eval-real REAL_TASK_SET=prose REAL_TASK_LENGTHS=4096 REAL_TASK_NUM=12 "
+                   "SmolLM2-135M-Instruct, 24 prose tasks (test split), 4,096 tokens",
+                   "make eval-real REAL_TASK_SET=prose REAL_TASK_LENGTHS=4096 REAL_TASK_NUM=24 "
                    "REAL_TASK_FAMILIES=prose_passkey,prose_multikey,prose_multi "
-                   "REAL_POLICIES=kvpop:mlstm REAL_COMPRESSIONS=0.88,0.94"),
+                   "REAL_POLICIES=kvpop:mlstm,streaming REAL_COMPRESSIONS=0.75,0.88,0.94"),
         ResultSpec("quality-multikey-4096", "quality-multikey-4096/sweep.json",
                    "SmolLM2-135M-Instruct, 24 multi-key questions (test split), 4,096 tokens",
                    "make eval-real REAL_TASK_SET=multikey REAL_TASK_LENGTHS=4096 REAL_TASK_NUM=24 REAL_TASK_FAMILIES=multikey "

@@ -81,3 +81,19 @@ def test_shipped_scorers_keep_answers_at_88_percent_compression(reference_onnx_m
     for kind in ("mlp", "mlstm"):
         assert accuracy("kvpop", kind) >= full - 2 / 12, kind
     assert accuracy("streaming") <= 2 / 12
+
+
+def test_sweep_row_names_select_the_kvpop_variants():
+    """`kvpop:SCORER` leaves the question's pick to the policy's default (on where the model ships retrieval
+    heads); `+noquery` turns it off, `+query` on; an unknown variant is an error, not a silent default."""
+    from kvpop.policies.kvpop import query
+    from kvpop_eval.quality.harness import policy_config
+
+    default = policy_config("kvpop:mlstm", 0.88)
+    assert (default.scorer, default.query_window, default.span_pooling) == ("mlstm", None, None)
+    assert policy_config("kvpop:mlstm+noquery", 0.88).query_window == 0
+    forced = policy_config("kvpop:mlstm+query", 0.88)
+    assert (forced.query_window, forced.span_pooling) == (query.WINDOW, query.SPAN_POOLING)
+    assert policy_config("streaming", 0.88).query_window is None
+    with pytest.raises(ValueError, match="variant"):
+        policy_config("kvpop:mlstm+lines", 0.88)

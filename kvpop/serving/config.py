@@ -85,7 +85,7 @@ class ServiceConfig:
         scorers = ["auto", *LEARNED_SCORER_KINDS, *SCORERS]
         if self.kvpop_scorer not in scorers:
             raise ValueError(f"parameter kvpop_scorer {self.kvpop_scorer!r} is not one of {scorers}")
-        if self.kvpop_query_window != "auto" and not (self.kvpop_query_window.isdigit() and int(self.kvpop_query_window) >= 0):
+        if self.kvpop_query_window != "auto" and not self.kvpop_query_window.isdigit():  # digits only: an integer >= 0
             raise ValueError(f"parameter kvpop_query_window must be auto or an integer >= 0, got {self.kvpop_query_window!r}")
         if self.kvpop_span_pooling != "auto" and self.kvpop_span_pooling not in SPAN_POOLINGS:
             raise ValueError(f"parameter kvpop_span_pooling {self.kvpop_span_pooling!r} is not auto or one of {SPAN_POOLINGS}")

@@ -21,6 +21,7 @@ import os
 import platform
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -44,7 +45,7 @@ def systems(scorers: list[str], compression: float, budget: int | None = None,
         table[f"kvpop:{kind}"] = (config, True)
         table[f"kvpop:{kind} per-sequence"] = (config, False)
         if kind in query_aware:
-            table[f"kvpop:{kind}+noquery"] = (CacheConfig(policy="kvpop", scorer=kind, query_window=0, **size), True)
+            table[f"kvpop:{kind}+noquery"] = (replace(config, query_window=0), True)
     return table
 
 

@@ -4,6 +4,10 @@ or a sweep of every policy over compression ratios (JSON + markdown table + accu
     python -m kvpop_eval.quality --model DIR --tasks FILE.jsonl --policy P (--budget N | --compression R) --out report.json
     python -m kvpop_eval.quality --model DIR --tasks FILE.jsonl --sweep --out-dir DIR [--compressions 0,0.5,0.75,0.88,0.94]
     python -m kvpop_eval.quality --merge DIR1 DIR2 --out-dir DIR
+    python -m kvpop_eval.quality --concat DIR1 DIR2 --tasks FILE.jsonl --out-dir DIR
+
+`--merge` joins sweeps of different policies on the same tasks; `--concat` joins sweeps run on
+consecutive pieces of one tasks file (shards, or tasks added to a finished run) into one over the file.
 
 A sweep entry is a policy name, or `kvpop:<scorer>` for the kvpop policy with one scorer; by default the
 sweep runs every policy (kvpop with its attention-based scorer) plus `kvpop:<kind>` for every learned
@@ -18,8 +22,8 @@ needs all of its items).
 This package's top level imports no engine (tasks_io, report are pure Python); harness runs the engine.
 """
 
-from kvpop_eval.quality.report import markdown_table, merge_sweeps, paired_counts, plot_sweep, wilson_interval
+from kvpop_eval.quality.report import concat_sweeps, markdown_table, merge_sweeps, paired_counts, plot_sweep, wilson_interval
 from kvpop_eval.quality.tasks_io import SWEEP_COMPRESSIONS, encode, load_tasks, scorer
 
-__all__ = ["SWEEP_COMPRESSIONS", "encode", "load_tasks", "markdown_table", "merge_sweeps", "paired_counts",
+__all__ = ["SWEEP_COMPRESSIONS", "concat_sweeps", "encode", "load_tasks", "markdown_table", "merge_sweeps", "paired_counts",
            "plot_sweep", "scorer", "wilson_interval"]

@@ -14,7 +14,7 @@ from kvpop_eval import quality
 from kvpop_eval.engine_factory import AUTO_SCORER, build_engine, resolve_scorer
 from kvpop_eval.provenance import stamp
 from kvpop_eval.quality.harness import evaluate, sweep
-from kvpop_eval.quality.report import merge_sweeps
+from kvpop_eval.quality.report import concat_sweeps, merge_sweeps
 from kvpop_eval.quality.tasks_io import SWEEP_COMPRESSIONS, load_tasks
 
 
@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compressions", default=",".join(str(r) for r in SWEEP_COMPRESSIONS))
     parser.add_argument("--skip-full", action="store_true", help="sweep: do not run the full cache (rows for --merge)")
     parser.add_argument("--merge", type=Path, nargs="+", help="merge these sweep folders (same tasks) into --out-dir; runs nothing")
+    parser.add_argument("--concat", type=Path, nargs="+",
+                        help="join these sweep folders, run on consecutive pieces of --tasks, into one sweep over it (--out-dir); runs nothing")
     args = parser.parse_args(argv)
 
     if args.merge:
@@ -58,8 +60,14 @@ def main(argv: list[str] | None = None) -> int:
         merge_sweeps(args.merge, args.out_dir)
         print(f"merged {len(args.merge)} sweeps into {args.out_dir}")
         return 0
+    if args.concat:
+        if args.out_dir is None or args.tasks is None:
+            parser.error("--concat needs --tasks (the whole file) and --out-dir")
+        summary = concat_sweeps(args.concat, args.tasks, args.out_dir)
+        print(f"concatenated {len(args.concat)} sweeps ({len(summary)} cells) into {args.out_dir}")
+        return 0
     if args.model is None or args.tasks is None:
-        parser.error("--model and --tasks are required (except with --merge)")
+        parser.error("--model and --tasks are required (except with --merge or --concat)")
 
     kvpop_options = {name: value for name, value in (("span_pooling", args.span_pooling), ("query_window", args.query_window))
                      if value is not None}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -38,6 +39,61 @@ def merge_sweeps(sweep_dirs: list[Path], out_dir: Path) -> list[dict]:
     (out_dir / "sweep.md").write_text(markdown_table(summary, compressions))
     plot_sweep(summary, out_dir / "accuracy_vs_compression.png")
     return summary
+
+
+def concat_sweeps(sweep_dirs: list[Path], tasks_file: Path, out_dir: Path) -> list[dict]:
+    """One sweep over `tasks_file` from sweeps run on its consecutive pieces, in order (a long tasks file
+    run as shards, or more tasks added to a finished run): each piece must be exactly the next lines of
+    the file (checked by digest). Only the cells every piece has are kept; accuracies and budgets are
+    weighted by tasks, runtimes summed, per-task results concatenated, so paired counts still hold."""
+    lines = Path(tasks_file).read_text().splitlines(keepends=True)
+    sweeps = [json.loads((Path(folder) / "sweep.json").read_text()) for folder in sweep_dirs]
+    start = 0
+    for folder, piece in zip(sweep_dirs, sweeps):
+        stop = start + piece["tasks"]
+        digest = hashlib.sha256("".join(lines[start:stop]).encode()).hexdigest()
+        if piece.get("tasks_sha256") != digest:
+            raise ValueError(f"{folder}: its {piece['tasks']} tasks are not lines {start + 1}-{stop} of {tasks_file}")
+        start = stop
+    if start != len(lines):
+        raise ValueError(f"the pieces cover {start} of the {len(lines)} tasks in {tasks_file}")
+    cells = [{(row["policy"], row["compression"]): row for row in piece["results"]} for piece in sweeps]
+    shared = [key for key in cells[0] if all(key in piece for piece in cells[1:])]
+    summary = [_concat_rows([piece[key] for piece in cells]) for key in shared]
+    compressions = tuple(sorted({row["compression"] for row in summary}))
+    header = stamp({"tasks": len(lines), "scoring": sweeps[0]["scoring"], "tasks_file": str(tasks_file),
+                    "tasks_sha256": hashlib.sha256("".join(lines).encode()).hexdigest(),
+                    "concatenated_from": [str(folder) for folder in sweep_dirs]})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "sweep.json").write_text(json.dumps({**header, "results": summary}, indent=2) + "\n")
+    (out_dir / "sweep.md").write_text(markdown_table(summary, compressions))
+    plot_sweep(summary, out_dir / "accuracy_vs_compression.png")
+    return summary
+
+
+def _concat_rows(pieces: list[dict]) -> dict:
+    """One (policy, compression) cell from its pieces' cells (same settings, disjoint tasks)."""
+    for key in ("query_window", "span_pooling"):
+        if len({str(piece.get(key)) for piece in pieces}) != 1:
+            raise ValueError(f"{pieces[0]['policy']} at {pieces[0]['compression']:.0%} ran with different {key} in the pieces")
+    if not all("correct_by_task" in piece for piece in pieces):
+        raise ValueError(f"{pieces[0]['policy']} at {pieces[0]['compression']:.0%}: a piece has no per-task results")
+    tasks = sum(piece["tasks"] for piece in pieces)
+
+    def weighted(key: str) -> float:
+        return sum(piece[key] * piece["tasks"] for piece in pieces) / tasks
+
+    row = {**pieces[0], "tasks": tasks, "correct_by_task": "".join(piece["correct_by_task"] for piece in pieces)}
+    row["accuracy"] = row["correct_by_task"].count("1") / tasks
+    for key in ("compression_achieved", "mean_budget"):
+        row[key] = weighted(key)
+    row["max_peak_kv_bytes"] = max(piece["max_peak_kv_bytes"] for piece in pieces)
+    for key in ("seconds", "prefilled_whole"):
+        if all(key in piece for piece in pieces):
+            row[key] = sum(piece[key] for piece in pieces)
+    if all("seconds" in piece and "generated_tokens_per_s" in piece for piece in pieces):  # tokens over seconds
+        row["generated_tokens_per_s"] = sum(p["generated_tokens_per_s"] * p["seconds"] for p in pieces) / row["seconds"]
+    return row
 
 
 def summary_row(report: dict, policy: str, ratio: float) -> dict:

@@ -166,6 +166,49 @@ def test_sweeps_of_the_same_tasks_merge_into_one_table(tmp_path):
         merge_sweeps([first, second], tmp_path / "merged")
 
 
+def test_sweeps_of_consecutive_pieces_of_a_tasks_file_concatenate_into_one(tmp_path):
+    """Tasks added to a finished run (or shards of one file): one sweep over the whole file, per-task
+    results in file order, so the paired counts against the full cache still hold."""
+    import hashlib
+    import json
+
+    from kvpop_eval.quality import concat_sweeps
+
+    lines = [json.dumps({"prompt": f"p{i}", "answer": str(i)}) + "\n" for i in range(6)]
+    whole = tmp_path / "tasks.jsonl"
+    whole.write_text("".join(lines))
+
+    def piece(name, part, full, kvpop, extra=()):
+        folder = tmp_path / name
+        folder.mkdir()
+        digest = hashlib.sha256("".join(part).encode()).hexdigest()
+
+        def row(policy, compression, correct, budget, seconds):
+            return {"policy": policy, "compression": compression, "accuracy": correct.count("1") / len(correct),
+                    "compression_achieved": compression, "mean_budget": budget, "max_peak_kv_bytes": budget,
+                    "generated_tokens_per_s": 2.0, "tasks": len(correct), "seconds": seconds, "correct_by_task": correct}
+
+        rows = [row("full", 0.0, full, 100, 10), row("kvpop:mlstm", 0.88, kvpop, 12, 5), *(row(*cell) for cell in extra)]
+        (folder / "sweep.json").write_text(json.dumps({"tasks": len(part), "scoring": "contains", "tasks_file": "x",
+                                                       "tasks_sha256": digest, "results": rows}))
+        return folder
+
+    first = piece("first", lines[:4], "1101", "1011", extra=[("h2o", 0.88, "0000", 12, 1)])
+    second = piece("second", lines[4:], "10", "11")
+    summary = concat_sweeps([first, second], whole, tmp_path / "whole")
+    assert [(r["policy"], r["correct_by_task"], r["tasks"]) for r in summary] == [
+        ("full", "110110", 6), ("kvpop:mlstm", "101111", 6)]  # h2o ran on one piece only: left out
+    kvpop = summary[1]
+    assert kvpop["accuracy"] == 5 / 6 and kvpop["seconds"] == 10 and kvpop["mean_budget"] == 12
+    written = json.loads((tmp_path / "whole" / "sweep.json").read_text())
+    assert written["tasks_sha256"] == hashlib.sha256(whole.read_bytes()).hexdigest() and written["tasks"] == 6
+    assert "+2/-1" in (tmp_path / "whole" / "sweep.md").read_text()
+    with pytest.raises(ValueError, match="not lines 1-2"):
+        concat_sweeps([second, first], whole, tmp_path / "wrong")  # out of order
+    with pytest.raises(ValueError, match="cover 4 of the 6"):
+        concat_sweeps([first], whole, tmp_path / "short")
+
+
 @pytest.mark.parametrize("family", PROSE_FAMILIES)
 def test_prose_families_write_each_fact_inside_a_paragraph(family):
     """A prose needle sits between two sentences of a haystack paragraph: text runs on before and after

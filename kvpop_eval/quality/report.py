@@ -64,6 +64,14 @@ def concat_sweeps(sweep_dirs: list[Path], tasks_file: Path, out_dir: Path) -> li
     header = stamp({"tasks": len(lines), "scoring": sweeps[0]["scoring"], "tasks_file": str(tasks_file),
                     "tasks_sha256": hashlib.sha256("".join(lines).encode()).hexdigest(),
                     "concatenated_from": [str(folder) for folder in sweep_dirs]})
+    peers = [piece.get("kvpress") for piece in sweeps]
+    if all(peers) and any(row["policy"].startswith("kvpress:") for row in summary):  # kvpress_compare merge's header
+        versions = {(peer["kvpress_version"], peer["transformers_version"], peer["torch_version"]) for peer in peers}
+        if len(versions) != 1:
+            raise ValueError(f"the pieces' kvpress rows ran different versions: {sorted(versions)}")
+        header["kvpress"] = {**peers[0], "tasks_file": header["tasks_file"], "tasks_sha256": header["tasks_sha256"],
+                             "full_accuracy_hf": sum(peer["full_accuracy_hf"] * piece["tasks"]
+                                                     for peer, piece in zip(peers, sweeps)) / len(lines)}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "sweep.json").write_text(json.dumps({**header, "results": summary}, indent=2) + "\n")
     (out_dir / "sweep.md").write_text(markdown_table(summary, compressions))
@@ -85,8 +93,9 @@ def _concat_rows(pieces: list[dict]) -> dict:
 
     row = {**pieces[0], "tasks": tasks, "correct_by_task": "".join(piece["correct_by_task"] for piece in pieces)}
     row["accuracy"] = row["correct_by_task"].count("1") / tasks
-    for key in ("compression_achieved", "mean_budget"):
-        row[key] = weighted(key)
+    for key in ("compression_achieved", "mean_budget", "prompt_compression"):  # the last: kvpress rows only
+        if all(key in piece for piece in pieces):
+            row[key] = weighted(key)
     row["max_peak_kv_bytes"] = max(piece["max_peak_kv_bytes"] for piece in pieces)
     for key in ("seconds", "prefilled_whole"):
         if all(key in piece for piece in pieces):

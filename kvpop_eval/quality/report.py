@@ -24,12 +24,7 @@ def merge_sweeps(sweep_dirs: list[Path], out_dir: Path) -> list[dict]:
             if row["policy"] == "full" and index:
                 continue
             rows[(row["policy"], row["compression"])] = row
-    full = rows[("full", 0.0)]
-    for policy in dict.fromkeys(policy for policy, _ in rows):  # a --skip-full sweep's rows have no 0% cell
-        if (policy, 0.0) not in rows:
-            rows[(policy, 0.0)] = {**full, "policy": policy, "note": "no eviction at 0%: the full cache"}
-    order = list(dict.fromkeys(policy for policy, _ in rows))
-    summary = sorted(rows.values(), key=lambda row: (order.index(row["policy"]), row["compression"]))
+    summary = _with_full_at_zero(rows)
     compressions = tuple(sorted({row["compression"] for row in summary}))
     header = {key: sweeps[0][key] for key in ("tasks", "scoring", "tasks_file", "tasks_sha256")}
     header["merged_from"] = [str(folder) for folder in sweep_dirs]
@@ -39,6 +34,16 @@ def merge_sweeps(sweep_dirs: list[Path], out_dir: Path) -> list[dict]:
     (out_dir / "sweep.md").write_text(markdown_table(summary, compressions))
     plot_sweep(summary, out_dir / "accuracy_vs_compression.png")
     return summary
+
+
+def _with_full_at_zero(rows: dict[tuple[str, float], dict]) -> list[dict]:
+    """The rows in policy order, each policy's 0% cell the full cache's row (nothing is evicted at 0%)."""
+    full = rows[("full", 0.0)]
+    for policy in dict.fromkeys(policy for policy, _ in rows):  # a --skip-full sweep's rows have no 0% cell
+        if (policy, 0.0) not in rows:
+            rows[(policy, 0.0)] = {**full, "policy": policy, "note": "no eviction at 0%: the full cache"}
+    order = list(dict.fromkeys(policy for policy, _ in rows))
+    return sorted(rows.values(), key=lambda row: (order.index(row["policy"]), row["compression"]))
 
 
 def concat_sweeps(sweep_dirs: list[Path], tasks_file: Path, out_dir: Path) -> list[dict]:
@@ -57,9 +62,11 @@ def concat_sweeps(sweep_dirs: list[Path], tasks_file: Path, out_dir: Path) -> li
         start = stop
     if start != len(lines):
         raise ValueError(f"the pieces cover {start} of the {len(lines)} tasks in {tasks_file}")
-    cells = [{(row["policy"], row["compression"]): row for row in piece["results"]} for piece in sweeps]
+    cells = [{(row["policy"], row["compression"]): row for row in piece["results"]
+              if row["compression"] or row["policy"] == "full" or row["policy"].startswith("kvpress:")}
+             for piece in sweeps]  # an engine policy's 0% cell is the engine's full cache (below); kvpress's, its own
     shared = [key for key in cells[0] if all(key in piece for piece in cells[1:])]
-    summary = [_concat_rows([piece[key] for piece in cells]) for key in shared]
+    summary = _with_full_at_zero({key: _concat_rows([piece[key] for piece in cells]) for key in shared})
     compressions = tuple(sorted({row["compression"] for row in summary}))
     header = stamp({"tasks": len(lines), "scoring": sweeps[0]["scoring"], "tasks_file": str(tasks_file),
                     "tasks_sha256": hashlib.sha256("".join(lines).encode()).hexdigest(),

@@ -13,7 +13,7 @@ phrased unlike any benchmark family): three sentences stating a number about a n
 a context's running text, the chat template the service uses asks for one of them, and a head scores a
 hit when the planted sentence is among the `top` sentences its last `query_window` queries attend to
 most (attention summed over the window and the head's query group, the largest over each sentence's
-tokens). The heads with the highest hit rate are written to `retrieval_heads.json` beside the scorers;
+tokens, sentences cut as the service cuts a prompt: text_spans.TextSpans). The heads with the highest hit rate are written to `retrieval_heads.json` beside the scorers;
 `make export` copies it into the model repository, where the learned scorers' runtime reads it
 (runtime.ScorerSpec). Heads found with the training texts' own recall questions ("Which value does the
 text above give where it mentions X?") were not these: SmolLM2-135M's question attention does not find
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import re
 import sys
 import time
 from pathlib import Path
@@ -33,7 +32,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from kvpop.policies.kvpop.query import SPAN_POOLING
 from kvpop.policies.kvpop.runtime import RETRIEVAL_HEADS_FILE
+from kvpop.policies.kvpop.text_spans import TextSpans, span_ends
 from kvpop_train.scorer.english_texts import split_sentences
 from kvpop_train.scorer.traces import capturing_attention
 
@@ -92,11 +93,12 @@ def calibration_prompts(record: dict, rng: random.Random, per_context: int, fact
     return prompts
 
 
-def sentence_ids(offsets: list[tuple[int, int]], text: str) -> torch.Tensor:
-    """(S,) the sentence index of each token: a sentence ends after ".", "!" or "?" and at line breaks."""
-    ends = [match.end() for match in re.finditer(r"[.!?](?=\s)|\n", text)]
-    starts = torch.tensor([start for start, _ in offsets])
-    return torch.searchsorted(torch.tensor(ends or [len(text)]), starts, right=True)
+def sentence_ids(ids: list[int], tokenizer, vocab_size: int) -> torch.Tensor:
+    """(S,) the span index of each token, as the service cuts a prompt for the query-aware pick
+    (TextSpans with sentence pooling: a span ends after a token that ends a sentence or a line, and
+    every MAX_SPAN tokens), so the heads are found with the spans they will pick from."""
+    spans = TextSpans.of_prompt(ids, span_ends(tokenizer, vocab_size, SPAN_POOLING), SPAN_POOLING)
+    return torch.from_numpy(spans.span)
 
 
 @torch.no_grad()
@@ -115,7 +117,7 @@ def head_hit_rates(model, tokenizer, records: list[dict], query_window: int = 32
                 if len(ids) > max_tokens:
                     continue
                 start = prompt.index(sentence)
-                span = sentence_ids(encoded.offset_mapping, prompt)  # (S,)
+                span = sentence_ids(ids, tokenizer, model.config.vocab_size)  # (S,)
                 target = int(span[next(i for i, (_, end) in enumerate(encoded.offset_mapping) if end > start)])
                 model(input_ids=torch.tensor([ids]), use_cache=False, logits_to_keep=1)
                 received = recorder.take()  # (L, Hkv, S)

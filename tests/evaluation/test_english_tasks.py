@@ -197,8 +197,9 @@ def test_sweeps_of_consecutive_pieces_of_a_tasks_file_concatenate_into_one(tmp_p
     second = piece("second", lines[4:], "10", "11")
     summary = concat_sweeps([first, second], whole, tmp_path / "whole")
     assert [(r["policy"], r["correct_by_task"], r["tasks"]) for r in summary] == [
-        ("full", "110110", 6), ("kvpop:mlstm", "101111", 6)]  # h2o ran on one piece only: left out
-    kvpop = summary[1]
+        ("full", "110110", 6), ("kvpop:mlstm", "110110", 6), ("kvpop:mlstm", "101111", 6)]
+    # h2o ran on one piece only: left out; kvpop's 0% cell is the whole file's full cache
+    kvpop = summary[2]
     assert kvpop["accuracy"] == 5 / 6 and kvpop["seconds"] == 10 and kvpop["mean_budget"] == 12
     written = json.loads((tmp_path / "whole" / "sweep.json").read_text())
     assert written["tasks_sha256"] == hashlib.sha256(whole.read_bytes()).hexdigest() and written["tasks"] == 6

@@ -392,8 +392,9 @@ def _version(package: str) -> str:
 
 
 def merge(kvpress_json: Path, sweep_dir: Path) -> list[dict]:
-    """Replace any kvpress rows of `sweep_dir/sweep.json` by those of `kvpress_json`, then rewrite
-    sweep.md and the plot with kvpop_eval.quality's own table and plot."""
+    """Add the rows of `kvpress_json` to `sweep_dir/sweep.json` (replacing the kvpress rows of the same
+    press and compression; other presses' rows, from an earlier run on the same tasks, stay), then
+    rewrite sweep.md and the plot with kvpop_eval.quality's own table and plot."""
     sweep_path = sweep_dir / "sweep.json"
     sweep = json.loads(sweep_path.read_text())
     peer = json.loads(kvpress_json.read_text())
@@ -403,7 +404,18 @@ def merge(kvpress_json: Path, sweep_dir: Path) -> list[dict]:
     if peer["tasks"] != sweep["tasks"] or peer["scoring"] != sweep["scoring"]:
         print(f"warning: kvpress ran {peer['tasks']} tasks ({peer['scoring']}), the sweep {sweep['tasks']} ({sweep['scoring']})",
               file=sys.stderr)
-    summary = [row for row in sweep["results"] if not row["policy"].startswith("kvpress:")] + peer["results"]
+    earlier = sweep.get("kvpress") or {}
+    if earlier and earlier.get("full_accuracy_hf") != peer["full_accuracy_hf"]:
+        print(f"warning: the sweep's kvpress rows saw a Hugging Face full cache of {earlier['full_accuracy_hf']:.3f}, "
+              f"{kvpress_json} one of {peer['full_accuracy_hf']:.3f}", file=sys.stderr)
+    versions = ("kvpress_version", "transformers_version", "torch_version")
+    if earlier and any(earlier.get(key) != peer[key] for key in versions):
+        print(f"warning: the sweep's kvpress rows ran {[earlier.get(key) for key in versions]}, "
+              f"{kvpress_json} {[peer[key] for key in versions]}", file=sys.stderr)
+    replaced = {(row["policy"], row["compression"]) for row in peer["results"]}
+    kept = [row for row in sweep["results"] if not row["policy"].startswith("kvpress:")
+            or (earlier and (row["policy"], row["compression"]) not in replaced)]
+    summary = kept + peer["results"]
     compressions = tuple(sorted({row["compression"] for row in summary}))
     engine_full = next(row["accuracy"] for row in summary if row["policy"] == "full")
     sweep["results"] = summary
@@ -421,8 +433,9 @@ def merge(kvpress_json: Path, sweep_dir: Path) -> list[dict]:
         "| kvpress policy | " + " | ".join(f"{ratio:.0%}" for ratio in compressions if ratio) + " |\n"
         "|---|" + "---|" * sum(1 for ratio in compressions if ratio) + "\n"
     )
-    achieved = {(row["policy"], row["compression"]): row["compression_achieved"] for row in peer["results"]}
-    for policy in dict.fromkeys(row["policy"] for row in peer["results"]):
+    pressed = [row for row in summary if row["policy"].startswith("kvpress:")]
+    achieved = {(row["policy"], row["compression"]): row["compression_achieved"] for row in pressed}
+    for policy in dict.fromkeys(row["policy"] for row in pressed):
         cells = [f"{achieved[(policy, ratio)]:.1%}" if (policy, ratio) in achieved else "-" for ratio in compressions if ratio]
         note += f"| {policy} | " + " | ".join(cells) + " |\n"
     (sweep_dir / "sweep.md").write_text(markdown_table(summary, compressions) + note)

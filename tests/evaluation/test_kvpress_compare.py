@@ -148,3 +148,30 @@ def test_merge_accepts_question_rows(tmp_path):
     assert [row["policy"] for row in summary] == ["full", "kvpress:snapkv+question", "kvpress:snapkv+question"]
     table = (tmp_path / "sweep.md").read_text()
     assert "| kvpress:snapkv+question | 1.000 | 0.500 |" in table and "| kvpress:snapkv+question | 70.0% |" in table
+
+
+def test_merge_adds_a_later_press_to_an_earlier_ones_rows(tmp_path):
+    """Presses run at different times on the same tasks end in one sweep; a re-run cell replaces its own."""
+    pytest.importorskip("matplotlib")
+    full = {"policy": "full", "compression": 0.0, "accuracy": 1.0, "tasks": 2, "correct_by_task": "11"}
+    (tmp_path / "sweep.json").write_text(json.dumps({"tasks": 2, "scoring": "contains", "tasks_sha256": "x", "results": [full]}))
+
+    def run(press, accuracy, name):
+        rows = [{"policy": f"kvpress:{press}", "compression": 0.0, "accuracy": 1.0, "compression_achieved": 0.0, "tasks": 2,
+                 "note": "full"},
+                {"policy": f"kvpress:{press}", "compression": 0.88, "accuracy": accuracy, "compression_achieved": 0.87,
+                 "tasks": 2, "correct_by_task": "10" if accuracy == 0.5 else "00"}]
+        peer = {"kvpress_version": "0.5.5", "transformers_version": "5.2", "torch_version": "2", "model": "m",
+                "tasks_file": "t", "tasks_sha256": "x", "tasks": 2, "scoring": "contains", "max_tokens": 32,
+                "full_accuracy_hf": 1.0, "definitions": {}, "results": rows}
+        (tmp_path / name).write_text(json.dumps(peer))
+        return tmp_path / name
+
+    merge(run("snapkv", 0.5, "a.json"), tmp_path)
+    merge(run("expected_attention", 0.0, "b.json"), tmp_path)
+    summary = merge(run("expected_attention", 0.5, "c.json"), tmp_path)
+    assert [(row["policy"], row["compression"], row["accuracy"]) for row in summary] == [
+        ("full", 0.0, 1.0), ("kvpress:snapkv", 0.0, 1.0), ("kvpress:snapkv", 0.88, 0.5),
+        ("kvpress:expected_attention", 0.0, 1.0), ("kvpress:expected_attention", 0.88, 0.5)]
+    assert "| kvpress:snapkv | 87.0% |" in (tmp_path / "sweep.md").read_text()
+

@@ -91,19 +91,23 @@ def _concat_rows(pieces: list[dict]) -> dict:
     for key in ("query_window", "span_pooling"):
         if len({str(piece.get(key)) for piece in pieces}) != 1:
             raise ValueError(f"{pieces[0]['policy']} at {pieces[0]['compression']:.0%} ran with different {key} in the pieces")
-    if not all("correct_by_task" in piece for piece in pieces):
-        raise ValueError(f"{pieces[0]['policy']} at {pieces[0]['compression']:.0%}: a piece has no per-task results")
     tasks = sum(piece["tasks"] for piece in pieces)
 
     def weighted(key: str) -> float:
         return sum(piece[key] * piece["tasks"] for piece in pieces) / tasks
 
-    row = {**pieces[0], "tasks": tasks, "correct_by_task": "".join(piece["correct_by_task"] for piece in pieces)}
-    row["accuracy"] = row["correct_by_task"].count("1") / tasks
+    row = {**pieces[0], "tasks": tasks, "accuracy": weighted("accuracy")}
+    per_task = ["correct_by_task" in piece for piece in pieces]
+    if any(per_task) and not all(per_task):
+        raise ValueError(f"{pieces[0]['policy']} at {pieces[0]['compression']:.0%}: a piece has no per-task results")
+    if all(per_task):  # a kvpress row's 0% cell (its own full cache's accuracy) has none
+        row["correct_by_task"] = "".join(piece["correct_by_task"] for piece in pieces)
+        row["accuracy"] = row["correct_by_task"].count("1") / tasks
     for key in ("compression_achieved", "mean_budget", "prompt_compression"):  # the last: kvpress rows only
         if all(key in piece for piece in pieces):
             row[key] = weighted(key)
-    row["max_peak_kv_bytes"] = max(piece["max_peak_kv_bytes"] for piece in pieces)
+    if all("max_peak_kv_bytes" in piece for piece in pieces):
+        row["max_peak_kv_bytes"] = max(piece["max_peak_kv_bytes"] for piece in pieces)
     for key in ("seconds", "prefilled_whole"):
         if all(key in piece for piece in pieces):
             row[key] = sum(piece[key] for piece in pieces)

@@ -25,15 +25,20 @@ def merge_sweeps(sweep_dirs: list[Path], out_dir: Path) -> list[dict]:
                 continue
             rows[(row["policy"], row["compression"])] = row
     summary = _with_full_at_zero(rows)
-    compressions = tuple(sorted({row["compression"] for row in summary}))
     header = {key: sweeps[0][key] for key in ("tasks", "scoring", "tasks_file", "tasks_sha256")}
     header["merged_from"] = [str(folder) for folder in sweep_dirs]
     header = stamp(header)
+    _write_sweep(out_dir, header, summary)
+    return summary
+
+
+def _write_sweep(out_dir: Path, header: dict, summary: list[dict]) -> None:
+    """sweep.json, sweep.md and the accuracy plot of a merged or concatenated sweep."""
+    compressions = tuple(sorted({row["compression"] for row in summary}))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "sweep.json").write_text(json.dumps({**header, "results": summary}, indent=2) + "\n")
     (out_dir / "sweep.md").write_text(markdown_table(summary, compressions))
     plot_sweep(summary, out_dir / "accuracy_vs_compression.png")
-    return summary
 
 
 def _with_full_at_zero(rows: dict[tuple[str, float], dict]) -> list[dict]:
@@ -67,7 +72,6 @@ def concat_sweeps(sweep_dirs: list[Path], tasks_file: Path, out_dir: Path) -> li
              for piece in sweeps]  # an engine policy's 0% cell is the engine's full cache (below); kvpress's, its own
     shared = [key for key in cells[0] if all(key in piece for piece in cells[1:])]
     summary = _with_full_at_zero({key: _concat_rows([piece[key] for piece in cells]) for key in shared})
-    compressions = tuple(sorted({row["compression"] for row in summary}))
     header = stamp({"tasks": len(lines), "scoring": sweeps[0]["scoring"], "tasks_file": str(tasks_file),
                     "tasks_sha256": hashlib.sha256("".join(lines).encode()).hexdigest(),
                     "concatenated_from": [str(folder) for folder in sweep_dirs]})
@@ -79,10 +83,7 @@ def concat_sweeps(sweep_dirs: list[Path], tasks_file: Path, out_dir: Path) -> li
         header["kvpress"] = {**peers[0], "tasks_file": header["tasks_file"], "tasks_sha256": header["tasks_sha256"],
                              "full_accuracy_hf": sum(peer["full_accuracy_hf"] * piece["tasks"]
                                                      for peer, piece in zip(peers, sweeps)) / len(lines)}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "sweep.json").write_text(json.dumps({**header, "results": summary}, indent=2) + "\n")
-    (out_dir / "sweep.md").write_text(markdown_table(summary, compressions))
-    plot_sweep(summary, out_dir / "accuracy_vs_compression.png")
+    _write_sweep(out_dir, header, summary)
     return summary
 
 

@@ -206,7 +206,7 @@ eval-prose: setup  ## [evaluate] the prose families (facts inside paragraphs, tw
 		REAL_TASK_NUM=24 REAL_POLICIES=$(PROSE_POLICIES) REAL_COMPRESSIONS=$(PROSE_COMPRESSIONS)
 
 REAL_KVPRESS_PRESSES ?= snapkv,expected_attention
-REAL_KVPRESS_COMPRESSIONS ?= 0.88,0.94
+REAL_KVPRESS_COMPRESSIONS ?= 0.75,0.88,0.94
 eval-real-kvpress: setup kvpress-env  ## [evaluate] kvpress presses (REAL_KVPRESS_PRESSES, the prompt with its question pruned once) on a finished eval-real run's tasks (same variables), merged into its sweep
 	@for tokens in $(REAL_TASK_LENGTHS); do \
 		tasks=build/real-tasks/$(if $(filter-out real,$(REAL_TASK_SET)),$(REAL_TASK_SET)-)$(REAL_TASK_SPLIT)-$$tokens.jsonl; \

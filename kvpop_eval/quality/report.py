@@ -13,7 +13,9 @@ from kvpop_eval.provenance import stamp
 def merge_sweeps(sweep_dirs: list[Path], out_dir: Path) -> list[dict]:
     """One sweep from several run on the SAME tasks (say, the heuristics first and the learned scorers
     once trained): the first sweep's full-cache row, every other policy's rows in the given order
-    (a later sweep's row replaces an earlier one), runtimes summed into the header."""
+    (a later sweep's row replaces an earlier one), runtimes summed into the header. The kvpress rows' header
+    (`kvpress_compare merge` writes it) comes along from the last sweep that has one: without it, merging a
+    later press run would take the earlier kvpress rows for stale and drop them."""
     sweeps = [json.loads((Path(folder) / "sweep.json").read_text()) for folder in sweep_dirs]
     digests = {sweep["tasks_sha256"] for sweep in sweeps}
     if len(digests) != 1 or None in digests:
@@ -27,6 +29,9 @@ def merge_sweeps(sweep_dirs: list[Path], out_dir: Path) -> list[dict]:
     summary = _with_full_at_zero(rows)
     header = {key: sweeps[0][key] for key in ("tasks", "scoring", "tasks_file", "tasks_sha256")}
     header["merged_from"] = [str(folder) for folder in sweep_dirs]
+    peers = [sweep["kvpress"] for sweep in sweeps if sweep.get("kvpress")]
+    if peers and any(policy.startswith("kvpress:") for policy, _ in rows):
+        header["kvpress"] = peers[-1]
     header = stamp(header)
     _write_sweep(out_dir, header, summary)
     return summary

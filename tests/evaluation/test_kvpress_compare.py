@@ -154,7 +154,8 @@ def test_merge_adds_a_later_press_to_an_earlier_ones_rows(tmp_path):
     """Presses run at different times on the same tasks end in one sweep; a re-run cell replaces its own."""
     pytest.importorskip("matplotlib")
     full = {"policy": "full", "compression": 0.0, "accuracy": 1.0, "tasks": 2, "correct_by_task": "11"}
-    (tmp_path / "sweep.json").write_text(json.dumps({"tasks": 2, "scoring": "contains", "tasks_sha256": "x", "results": [full]}))
+    (tmp_path / "sweep.json").write_text(json.dumps({"tasks": 2, "scoring": "contains", "tasks_sha256": "x", "tasks_file": "t",
+                                                     "results": [full]}))
 
     def run(press, accuracy, name):
         rows = [{"policy": f"kvpress:{press}", "compression": 0.0, "accuracy": 1.0, "compression_achieved": 0.0, "tasks": 2,
@@ -174,4 +175,22 @@ def test_merge_adds_a_later_press_to_an_earlier_ones_rows(tmp_path):
         ("full", 0.0, 1.0), ("kvpress:snapkv", 0.0, 1.0), ("kvpress:snapkv", 0.88, 0.5),
         ("kvpress:expected_attention", 0.0, 1.0), ("kvpress:expected_attention", 0.88, 0.5)]
     assert "| kvpress:snapkv | 87.0% |" in (tmp_path / "sweep.md").read_text()
+
+    # An engine run merged in first (quality --merge), then one more compression of a press: every row stays.
+    from kvpop_eval.quality import merge_sweeps
+
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    h2o = {"policy": "h2o", "compression": 0.88, "accuracy": 0.0, "tasks": 2, "correct_by_task": "00"}
+    (engine / "sweep.json").write_text(json.dumps({"tasks": 2, "scoring": "contains", "tasks_sha256": "x", "tasks_file": "t",
+                                                   "results": [full, h2o]}))
+    merged = tmp_path / "merged"
+    merge_sweeps([tmp_path, engine], merged)
+    later = run("snapkv", 0.0, "d.json")
+    peer = json.loads(later.read_text())
+    peer["results"][1]["compression"] = 0.94
+    later.write_text(json.dumps(peer))
+    summary = merge(later, merged)
+    assert {(row["policy"], row["compression"]) for row in summary if row["compression"]} == {
+        ("h2o", 0.88), ("kvpress:snapkv", 0.88), ("kvpress:snapkv", 0.94), ("kvpress:expected_attention", 0.88)}
 

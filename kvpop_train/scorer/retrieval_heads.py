@@ -15,8 +15,9 @@ hit when the planted sentence is among the `top` sentences its last `query_windo
 most (attention summed over the window and the head's query group, the largest over each sentence's
 tokens, sentences cut as the service cuts a prompt: text_spans.TextSpans). The heads with the highest hit
 rate are written to `retrieval_heads.json` beside the scorers; `make export` copies it into the model
-repository, where the learned scorers' runtime reads it (runtime.ScorerSpec). Heads found with the training texts' own recall questions ("Which value does the
-text above give where it mentions X?") were not these: SmolLM2-135M's question attention does not find
+repository, where the learned scorers' runtime reads it (runtime.ScorerSpec). Heads found with the
+training texts' own recall questions ("Which value does the text above give where it mentions X?") were
+not these: SmolLM2-135M's question attention does not find
 an ordinary docstring sentence in any head, so those questions calibrate nothing.
 """
 

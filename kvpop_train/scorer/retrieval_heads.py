@@ -17,8 +17,8 @@ tokens, sentences cut as the service cuts a prompt: text_spans.TextSpans). The h
 rate are written to `retrieval_heads.json` beside the scorers; `make export` copies it into the model
 repository, where the learned scorers' runtime reads it (runtime.ScorerSpec). Heads found with the
 training texts' own recall questions ("Which value does the text above give where it mentions X?") were
-not these: SmolLM2-135M's question attention does not find
-an ordinary docstring sentence in any head, so those questions calibrate nothing.
+not these: SmolLM2-135M's question attention does not find an ordinary docstring sentence in any head,
+so those questions calibrate nothing.
 """
 
 from __future__ import annotations

@@ -94,6 +94,9 @@ SPECS = {
                    "make bench-service BENCH_ARGS='--workloads a c d --repetitions 1 --stall-tokens 0'"),
     )
 }
+# the quality results in README's headline, in its order (then the multi-turn chats and the service's speed)
+HEADLINE_QUALITY = ("quality-real-2048", "quality-prose96-2048", "quality-prose48-2048", "quality-prose-4096",
+                    "quality-multikey-4096", "quality-reference-2048")
 POLICY_ORDER = ("full", "kvpop:mlstm", "kvpop:mlstm+noquery", "kvpop:mlstm+query", "kvpop:mlp", "kvpop", "streaming", "h2o", "tova", "random")
 
 
@@ -253,7 +256,7 @@ def headline_table(results: dict[str, dict | None], manifest: dict) -> str:
     """One table: quality and KV memory per sequence at 50/75/88/94%, service speed, each with its command."""
     header = ["| result | full cache | 50% | 75% | 88% | 94% | reproduce |", "|---|---|---|---|---|---|---|"]
     lines = list(header)
-    for name in ("quality-real-2048", "quality-prose96-2048", "quality-prose48-2048", "quality-prose-4096", "quality-multikey-4096", "quality-reference-2048"):
+    for name in HEADLINE_QUALITY:
         sweep = results.get(name)
         if sweep is None:
             lines.append(f"| {SPECS[name].title}: not published yet | | | | | | `{SPECS[name].command}` |")
@@ -288,8 +291,7 @@ def headline_table(results: dict[str, dict | None], manifest: dict) -> str:
             speed = "; ".join(f"({w['name']}) {ratio_range(service, w['name'], key)}" for w in service["workloads"])
             lines.append(f"| service output tokens/s, kvpop at 88% vs the {against} (reference model) | | | | "
                          f"{speed} | | `{spec.command}` |")
-    shown = ("quality-real-2048", "quality-prose96-2048", "quality-prose48-2048", "quality-prose-4096", "quality-multikey-4096", "quality-reference-2048",
-             "multiturn", "service-reference")
+    shown = (*HEADLINE_QUALITY, "multiturn", "service-reference")
     commits = sorted({manifest.get(name, {}).get("commit", "unknown")[:12] for name in shown if results.get(name)})
     legend = ("Cells: accuracy [95% Wilson interval], fraction of the full cache's accuracy, tasks only this "
               "policy / only the full cache answers. Service workloads: (a) 2,048-token prompts, (c) many users in a "

@@ -87,10 +87,19 @@ class Scheduler:
     def next_round(prefilling: "Iterable[Sequence]", budget: int, used: int) -> "tuple[dict[int, list[Sequence]], int]":
         """One round of prompt work, first come first served: the next piece of every prompt (the rest of
         its current chunk, cut to what is left of the budget), grouped by length (one batched call each);
-        and the budget used after it. Empty: what is left is too small to start any piece."""
+        and the budget used after it. Empty: what is left is too small to start any piece.
+
+        A prompt's query window (`Sequence.reads_query`) is never cut: the policy reads the attention of the
+        window's piece alone, so a window cut at a step's end would leave the question's picks to its last
+        few tokens (the chat template's). It waits for the next step, or, as a step's first piece, goes whole
+        past the budget (it is a few dozen tokens)."""
         pieces: dict[int, list[Sequence]] = {}
         for sequence in prefilling:
             length = min(sequence.piece_left, budget - used)
+            if sequence.reads_query and length < sequence.piece_left:
+                if used:
+                    break
+                length = sequence.piece_left
             if length <= 0 or used and length < min(sequence.piece_left, MIN_PIECE_TOKENS):
                 break  # no sliver of a chunk after other work: a call costs more than its tokens
             pieces.setdefault(length, []).append(sequence)

@@ -68,6 +68,15 @@ def test_the_answer_does_not_depend_on_how_the_prompt_is_cut_into_pieces(tiny_on
     np.testing.assert_allclose(paced_seen[0], seen[0], atol=1e-5)
 
 
+def test_a_step_budget_never_cuts_the_query_window(tiny_onnx_model_dir, monkeypatch):
+    """Steps of 32 prompt tokens end 16 tokens into a 100-token prompt's 20-token query window: the window
+    waits for the next step and enters as one piece, so the policy reads all 20 queries (cut, it read the
+    last 4, and the question's picks were the chat template's)."""
+    prompt = [0] + [int(token) for token in rng.integers(3, 250, size=99)]
+    _, seen = run(tiny_onnx_model_dir, monkeypatch, query_window=20, prefill_chunk=32, prompt=prompt)
+    assert seen[0] is not None and seen[0].shape[3] == 20
+
+
 def test_no_query_window_when_the_prompt_fits_or_is_off(tiny_onnx_model_dir, monkeypatch):
     _, seen = run(tiny_onnx_model_dir, monkeypatch, query_window=0)
     assert all(update is None for update in seen)

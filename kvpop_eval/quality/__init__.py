@@ -19,6 +19,10 @@ Scoring: `final_answer` (default) is the project tasks' exact match of the word 
 `contains` counts an answer found anywhere in the generated text (for arbitrary JSONL; a list answer
 needs all of its items).
 
+Answer retention (`python -m kvpop_eval.quality.retention`, kvpop_eval/quality/retention.py): whether each task's answer
+survives the prompt's eviction, per policy x compression, without generating (what the eviction kept, apart from
+what the model makes of it).
+
 This package's top level imports no engine (tasks_io, report are pure Python); harness runs the engine.
 """
 

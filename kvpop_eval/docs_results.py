@@ -77,8 +77,7 @@ SPECS = {
                    "make eval-real REAL_TASK_SET=prose REAL_TASK_LENGTHS=4096 REAL_TASK_NUM=24 "
                    "REAL_TASK_FAMILIES=prose_passkey,prose_multikey,prose_multi "
                    "REAL_POLICIES=kvpop:mlstm,streaming,h2o,tova REAL_COMPRESSIONS=0.75,0.88,0.94 "
-                   "&& make eval-real-kvpress REAL_TASK_SET=prose REAL_TASK_LENGTHS=4096 "
-                   "REAL_KVPRESS_COMPRESSIONS=0.88"),
+                   "&& make eval-real-kvpress REAL_TASK_SET=prose REAL_TASK_LENGTHS=4096"),
         ResultSpec("quality-multikey-4096", "quality-multikey-4096/sweep.json",
                    "SmolLM2-135M-Instruct, 24 multi-key questions (test split), 4,096 tokens",
                    "make eval-real REAL_TASK_SET=multikey REAL_TASK_LENGTHS=4096 REAL_TASK_NUM=24 REAL_TASK_FAMILIES=multikey "

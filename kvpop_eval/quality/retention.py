@@ -75,20 +75,20 @@ def task_retention(cache_positions: np.ndarray, occurrences: list[list[np.ndarra
     return TaskRetention(found=True, retained=retained, token_share=min(shares))
 
 
-def measure(engine: Engine, tasks: list[dict], cache: CacheConfig, max_tokens: int, label: str) -> dict:
-    """Prefill every task under `cache` and read back what the eviction kept: one summary row. `max_tokens`
-    sizes the budget as in the accuracy runs (a compression is of the prompt plus the answer's tokens)."""
-    tokenizer = engine.tokenizer
+def measure(engine: Engine, prompts: list[tuple[list[int], list[list[np.ndarray]]]], cache: CacheConfig, max_tokens: int,
+            label: str) -> dict:
+    """Prefill every prompt (its ids, and its answer's occurrences: `answer_occurrences`) under `cache` and read
+    back what the eviction kept: one summary row. `max_tokens` sizes the budget as in the accuracy runs (a
+    compression is of the prompt plus the answer's tokens)."""
     results = []
-    for index, task in enumerate(tqdm(tasks, desc=label, unit="task", file=sys.stderr, dynamic_ncols=True, leave=False)):
-        prompt_ids = encode(tokenizer, task["prompt"])
+    for index, (prompt_ids, occurrences) in enumerate(tqdm(prompts, desc=label, unit="task", file=sys.stderr, dynamic_ncols=True, leave=False)):
         request_id = f"retention-{index}"
         state = engine.prefill(GenerationRequest(request_id, prompt_ids, SamplingParams(max_tokens=max_tokens), cache))
         try:
             positions = np.array(state.cache.position)
         finally:
             engine.free(request_id)
-        results.append(task_retention(positions, answer_occurrences(tokenizer, task["prompt"], prompt_ids, task["answer"])))
+        results.append(task_retention(positions, occurrences))
     found = [result for result in results if result.found]
     retained = sum(result.retained for result in found)
     low, high = wilson_interval(retained, len(found)) if found else (0.0, 0.0)
@@ -158,11 +158,15 @@ def main(argv: list[str] | None = None) -> int:
     compressions = tuple(float(ratio) for ratio in args.compressions.split(","))
     tasks = load_tasks(args.tasks, args.limit)
     engine = build_engine(args.model, max_batch_size=1, prefill_chunk=args.prefill_chunk, whole_prompt_tokens=args.whole_prompt_tokens)
+    prompts = []  # tokenized once, for every policy x compression
+    for task in tasks:
+        prompt_ids = encode(engine.tokenizer, task["prompt"])
+        prompts.append((prompt_ids, answer_occurrences(engine.tokenizer, task["prompt"], prompt_ids, task["answer"])))
     rows = []
     for policy in policies:
         for ratio in compressions:
             config = policy_config(policy, ratio, args.sinks, args.window)
-            row = {"policy": policy, "compression": ratio, **measure(engine, tasks, config, args.max_tokens, f"{policy} @ {ratio:.0%}")}
+            row = {"policy": policy, "compression": ratio, **measure(engine, prompts, config, args.max_tokens, f"{policy} @ {ratio:.0%}")}
             rows.append(row)
             print(f"{policy} @ {ratio:.0%}: answer retained in {row['retained']}/{row['found']} tasks "
                   f"({row['retention']:.2f}, 95% CI {row['interval'][0]:.2f}-{row['interval'][1]:.2f})", flush=True)

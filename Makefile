@@ -198,8 +198,8 @@ eval-real: setup  ## [evaluate] English RULER-like tasks (REAL_TASK_NUM per leng
 
 PROSE_POLICIES ?= kvpop:mlstm,kvpop:mlstm+noquery,h2o,tova,streaming
 PROSE_COMPRESSIONS ?= 0.75,0.88,0.94
-# The published prose tables' tasks: 48 at 2,048 tokens (set prose48), 24 at 4,096 (set prose); the default alone also on 96
-# at 2,048 (set prose96, docs/QUALITY.md names the command).
+# The published prose tables' tasks: 48 at 2,048 tokens (set prose48), 24 at 4,096 (set prose); the default alone also on 288
+# at 2,048 (set prose288, docs/QUALITY.md names the command).
 eval-prose: setup  ## [evaluate] the prose families (facts inside paragraphs, two facts asked together), every policy: build/results/quality-prose48-2048/, quality-prose-4096/
 	$(MAKE) eval-real REAL_TASK_SET=prose48 REAL_TASK_FAMILIES=prose_passkey,prose_multikey,prose_multi REAL_TASK_LENGTHS=2048 \
 		REAL_TASK_NUM=48 REAL_POLICIES=$(PROSE_POLICIES) REAL_COMPRESSIONS=$(PROSE_COMPRESSIONS)

@@ -66,10 +66,10 @@ SPECS = {
                    "REAL_TASK_FAMILIES=prose_passkey,prose_multikey,prose_multi "
                    "REAL_POLICIES=kvpop:mlstm,kvpop:mlstm+noquery,streaming,h2o,tova REAL_COMPRESSIONS=0.75,0.88,0.94 "
                    "&& make eval-real-kvpress REAL_TASK_SET=prose48 REAL_TASK_LENGTHS=2048",
-                   headline_policies=("kvpop:mlstm+noquery", "streaming"), headline_memory=False),  # the default: 96 tasks
-        ResultSpec("quality-prose96-2048", "quality-prose96-2048/sweep.json",
-                   "SmolLM2-135M-Instruct, 96 prose tasks (test split), 2,048 tokens",
-                   "make eval-real REAL_TASK_SET=prose96 REAL_TASK_LENGTHS=2048 REAL_TASK_NUM=96 "
+                   headline_policies=("kvpop:mlstm+noquery", "streaming"), headline_memory=False),  # the default: 288 tasks
+        ResultSpec("quality-prose288-2048", "quality-prose288-2048/sweep.json",
+                   "SmolLM2-135M-Instruct, 288 prose tasks (test split), 2,048 tokens",
+                   "make eval-real REAL_TASK_SET=prose288 REAL_TASK_LENGTHS=2048 REAL_TASK_NUM=288 "
                    "REAL_TASK_FAMILIES=prose_passkey,prose_multikey,prose_multi "
                    "REAL_POLICIES=kvpop:mlstm REAL_COMPRESSIONS=0.75,0.88,0.94"),
         ResultSpec("quality-prose-4096", "quality-prose-4096/sweep.json",
@@ -94,7 +94,7 @@ SPECS = {
     )
 }
 # the quality results in README's headline, in its order (then the multi-turn chats and the service's speed)
-HEADLINE_QUALITY = ("quality-real-2048", "quality-prose96-2048", "quality-prose48-2048", "quality-prose-4096",
+HEADLINE_QUALITY = ("quality-real-2048", "quality-prose288-2048", "quality-prose48-2048", "quality-prose-4096",
                     "quality-multikey-4096", "quality-reference-2048")
 POLICY_ORDER = ("full", "kvpop:mlstm", "kvpop:mlstm+noquery", "kvpop:mlstm+query", "kvpop:mlp", "kvpop", "streaming", "h2o", "tova", "random")
 

@@ -32,6 +32,7 @@ EXPECTED_EVICTIONS = {
     "h2o": (3, 0),  # lowest accumulated attention outside the window {5, 6}; no sinks
     "tova": (3, 5),  # lowest attention from the newest query; nothing protected
     "random": "seeded",  # checked for reproducibility instead
+    "keep_start": (6, 6),  # the arriving token itself: the first six stay
     "kvpop": (3, 4),  # head 0: a kept long-range token; head 1: the token leaving the window
 }
 

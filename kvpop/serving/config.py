@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvpop.engine import EngineConfig
 from kvpop.policies.kvpop.kinds import LEARNED_SCORER_KINDS
 from kvpop.policies.kvpop.text_spans import SPAN_POOLINGS
 
@@ -99,6 +100,17 @@ class ServiceConfig:
         unknown = [name for name in warm_policies(self.default_policy, self.warm_prefix_policies) if name not in POLICIES]
         if unknown:
             raise ValueError(f"parameter warm_prefix_policies names unknown policies {unknown}; known: {sorted(POLICIES)}")
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's configuration these parameters make (an evaluation builds the service's engine from it)."""
+        return EngineConfig(
+            max_batch_size=self.max_running_sequences,
+            prefill_chunk=self.prefill_chunk_tokens,
+            min_bounded_chunk=self.min_prefill_chunk_tokens,
+            whole_prompt_tokens=self.whole_prompt_tokens,
+            max_step_tokens=self.max_step_tokens or None,
+            prefill_pacing=self.prefill_pacing or None,
+        )
 
     def kvpop_options(self, scorer: str) -> dict[str, Any]:
         """CacheConfig fields of every kvpop request (query_window; span_pooling, which only a learned `scorer` has);

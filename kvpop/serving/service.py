@@ -16,7 +16,7 @@ import numpy as np
 from kvpop.cache.prefix_cache import PrefixCache
 from kvpop.cache.reservations import KVReservations
 from kvpop.decoder import DecoderStep
-from kvpop.engine import Engine, EngineConfig, load_learned_scorers
+from kvpop.engine import Engine, load_learned_scorers
 from kvpop.policies import POLICIES
 from kvpop.policies.kvpop import default_scorer
 from kvpop.serving.admission import AdmissionPolicy, KVPoolAdmission
@@ -70,15 +70,7 @@ class KVpopService:
         self._ids = itertools.count()
 
     def _new_engine(self) -> Engine:
-        config = EngineConfig(
-            max_batch_size=self.config.max_running_sequences,
-            prefill_chunk=self.config.prefill_chunk_tokens,
-            min_bounded_chunk=self.config.min_prefill_chunk_tokens,
-            whole_prompt_tokens=self.config.whole_prompt_tokens,
-            max_step_tokens=self.config.max_step_tokens or None,
-            prefill_pacing=self.config.prefill_pacing or None,
-        )
-        return Engine(self.decoder, config, tokenizer=self.tokenizer, learned_scorers=self.learned_scorers,
+        return Engine(self.decoder, self.config.engine_config(), tokenizer=self.tokenizer, learned_scorers=self.learned_scorers,
                       sessions=self.sessions, prefixes=self.prefixes, reservations=self.reservations)
 
     def _warm_prefixes(self) -> None:

@@ -219,15 +219,13 @@ eval-real-kvpress: setup kvpress-env  ## [evaluate] kvpress presses (REAL_KVPRES
 		$(PY) -m kvpop_eval.kvpress_compare merge --kvpress $$dir/kvpress.json --sweep-dir $$dir || exit 1; \
 	done
 
-MULTITURN_SPLIT ?= test
-MULTITURN_NUM ?= 24
-MULTITURN_TURNS ?= 12
-eval-multiturn: setup  ## [evaluate] chats whose first turn's fact is asked MULTITURN_TURNS turns later, through sessions, full vs kvpop 88%: build/results/multiturn/
+# The pre-registered test run (kvpop_eval/multiturn/plan.py): both routes, every policy x compression; it resumes
+# where a stopped run ended. MULTITURN_OPENAI_URL: a running server's OpenAI API (make serve-bg); empty: one is started.
+MULTITURN_OPENAI_URL ?=
+eval-multiturn: setup  ## [evaluate] pre-registered multi-turn chats through sessions and the OpenAI API, every policy at 88/94% (hours on 2 cores; resumes): build/results/multiturn/
 	@test -f model_repository/kvpop_engine/1/model_spec.json || { echo "no exported model: run 'make export' first"; exit 1; }
-	$(PY) -m kvpop_eval.multiturn write --split $(MULTITURN_SPLIT) --num $(MULTITURN_NUM) --turns $(MULTITURN_TURNS) \
-		--out build/real-tasks/multiturn-$(MULTITURN_SPLIT).jsonl
-	$(PY) -m kvpop_eval.multiturn run --model model_repository/kvpop_engine/1 --tasks build/real-tasks/multiturn-$(MULTITURN_SPLIT).jsonl \
-		--policies full,kvpop:mlstm,kvpop:mlstm+noquery,streaming --compressions 0.88 --out-dir $(RESULTS_OUT)/multiturn
+	$(PY) -m kvpop_eval.multiturn test --model model_repository/kvpop_engine/1 --out-dir $(RESULTS_OUT)/multiturn \
+		$(if $(MULTITURN_OPENAI_URL),--openai-url $(MULTITURN_OPENAI_URL))
 
 tasks: setup  ## write 200 reference tasks of TASK_SPLIT (default heldout) at TASK_TOKENS (default 2048) to build/tasks/
 	$(PY) -m kvpop_eval.tasks write --split $(TASK_SPLIT) --num 200 --context-tokens $(TASK_TOKENS) $(if $(TASK_FACTS),--num-facts $(TASK_FACTS)) --out $(TASKS_FILE)

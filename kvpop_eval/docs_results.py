@@ -83,7 +83,7 @@ SPECS = {
                    "make eval-real REAL_TASK_SET=multikey REAL_TASK_LENGTHS=4096 REAL_TASK_NUM=24 REAL_TASK_FAMILIES=multikey "
                    "REAL_POLICIES=kvpop:mlstm REAL_COMPRESSIONS=0.94"),
         ResultSpec("multiturn", "multiturn/multiturn.json",
-                   "SmolLM2-135M-Instruct, 24 twelve-turn chats through sessions (test split)",
+                   "SmolLM2-135M-Instruct, multi-turn chats (test split, pre-registered)",
                    "make eval-multiturn"),
         ResultSpec("quality-reference-2048", "quality-reference-2048/sweep.json",
                    "reference model, 200 held-out tasks, 2,048 tokens",
@@ -96,7 +96,8 @@ SPECS = {
 # the quality results in README's headline, in its order (then the multi-turn chats and the service's speed)
 HEADLINE_QUALITY = ("quality-real-2048", "quality-prose288-2048", "quality-prose48-2048", "quality-prose-4096",
                     "quality-multikey-4096", "quality-reference-2048")
-POLICY_ORDER = ("full", "kvpop:mlstm", "kvpop:mlstm+noquery", "kvpop:mlstm+query", "kvpop:mlp", "kvpop", "streaming", "h2o", "tova", "random")
+POLICY_ORDER = ("full", "kvpop:mlstm", "kvpop:mlstm+noquery", "kvpop:mlstm+query", "kvpop:mlp", "kvpop", "keep_start", "streaming", "h2o",
+                "tova", "random")
 
 
 # -- statistics -------------------------------------------------------------------------------------
@@ -212,6 +213,57 @@ def sweep_table(name: str, sweep: dict, manifest: dict) -> str:
     return "\n".join(lines) + "\n\n" + provenance(name, manifest) + "\n"
 
 
+# -- multi-turn chats -------------------------------------------------------------------------------
+
+ROUTE_LABELS = {"sessions": "sessions", "openai": "OpenAI API"}
+
+
+def interval(values: list[float] | None, digits: int = 2) -> str:
+    return f"[{values[0]:.{digits}f}, {values[1]:.{digits}f}]" if values else ""
+
+
+def multiturn_table(name: str, chats: dict, manifest: dict) -> str:
+    """Every route's rows: accuracy, the ratio to the full cache and the retained share with their intervals
+    (kvpop_eval.multiturn.analysis computed them; they are only printed here)."""
+    registered = chats.get("preregistration")
+    lines = [
+        f"{chats['tasks']} chats, scoring: {chats['scoring']}; tasks file `{chats['tasks_file']}` "
+        f"(sha256 `{chats['tasks_sha256'][:12]}`)"
+        + (f", pre-registered at commit `{registered['commit'][:12]}`." if registered else "."),
+        "",
+        "| route | policy | compression | accuracy [95% Wilson] | of full [95% paired bootstrap] | retained [95% Wilson] "
+        "| +/- vs full | paired diff. [95% bootstrap] | budget (slots) | compression reached | peak KV / sequence |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for route, results in chats["routes"].items():
+        rows = sorted(results["results"], key=lambda row: (policy_rank(row["policy"]), row["compression"]))
+        for row in rows:
+            versus = row.get("versus_full")
+            low, high = wilson_interval(round(row["accuracy"] * row["tasks"]), row["tasks"])
+            cells = ["1.00", "", "", ""] if versus is None else [
+                f"{versus['ratio']:.2f} {interval(versus['ratio_interval'])}" if versus["ratio"] is not None else "",
+                f"{versus['retained']:.2f} {interval(versus['retained_interval'])}" if versus["retained"] is not None else "",
+                f"+{versus['gained']}/-{versus['lost']}",
+                f"{versus['difference']:+.3f} {interval(versus['difference_interval'], 3)}"]
+            lines.append(f"| {ROUTE_LABELS.get(route, route)} | {row['policy']} | {row['compression']:.0%} | "
+                         f"{row['accuracy']:.3f} [{low:.2f}, {high:.2f}] | " + " | ".join(cells)
+                         + f" | {row['mean_budget']:.0f} | {row['compression_achieved']:.3f} | {mib(row['max_peak_kv_bytes'])} |")
+    return "\n".join(lines) + "\n\n" + provenance(name, manifest) + "\n"
+
+
+def multiturn_headline(chats: dict) -> list[str]:
+    """README rows: the default's accuracy on the chats through each route."""
+    lines = []
+    for route, results in chats["routes"].items():
+        full = full_row(results)
+        kvpop = {row["compression"]: row for row in sweep_rows(results) if row["policy"] == "kvpop"}
+        cells = [accuracy_cell(kvpop[c], full) if c in kvpop else "" for c in COMPRESSIONS]
+        lines.append(f"| SmolLM2-135M-Instruct, {chats['tasks']} multi-turn chats through {ROUTE_LABELS.get(route, route)} "
+                     f"(test split, pre-registered): accuracy of `kvpop` | {accuracy_cell(full, full)} | "
+                     + " | ".join(cells) + f" | `{SPECS['multiturn'].command}` |")
+    return lines
+
+
 # -- service benchmark ------------------------------------------------------------------------------
 
 def service_table(name: str, service: dict, manifest: dict) -> str:
@@ -275,12 +327,8 @@ def headline_table(results: dict[str, dict | None], manifest: dict) -> str:
         lines.append(f"| {SPECS[name].title}: KV memory per sequence (peak) | {mib(full['max_peak_kv_bytes'])} | "
                      + " | ".join(memory) + f" | `{SPECS[name].command}` |")
     chats = results.get("multiturn")
-    if chats is not None:  # one budget for a whole chat, at 88% only
-        full = full_row(chats)
-        kvpop = {row["compression"]: row for row in sweep_rows(chats) if row["policy"] == HEADLINE_POLICIES[0]}
-        cells = [accuracy_cell(kvpop[c], full) if c in kvpop else "" for c in COMPRESSIONS]
-        lines.append(f"| {SPECS['multiturn'].title}: accuracy of `{HEADLINE_POLICIES[0]}` | {accuracy_cell(full, full)} | "
-                     + " | ".join(cells) + f" | `{SPECS['multiturn'].command}` |")
+    if chats is not None:
+        lines += multiturn_headline(chats)
     service = results.get("service-reference")
     spec = SPECS["service-reference"]
     if service is None:
@@ -311,9 +359,11 @@ def render_table(name: str, results_dir: Path) -> str:
         return missing(name)
     if "cells" in result:
         return service_table(name, result, manifest)
+    if "routes" in result:
+        return multiturn_table(name, result, manifest)
     if "results" in result:
         return sweep_table(name, result, manifest)
-    raise ValueError(f"docs/results/{name}.json is neither a quality sweep nor a service benchmark")
+    raise ValueError(f"docs/results/{name}.json is neither a quality sweep, multi-turn chats nor a service benchmark")
 
 
 def render_text(text: str, results_dir: Path) -> str:

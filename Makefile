@@ -17,7 +17,7 @@ CONFIG ?= auto
 PID_FILE := run/tritonserver.pid
 
 .PHONY: help setup model export serve serve-bg stop test test-unit test-e2e clean reference-model retrieval-heads eval-reference \
-	train-scorer eval-real eval-prose eval-multiturn tasks eval-sweep kvpress-env eval-kvpress speed speed-quick speed-real bench-service bench-sessions bench-steady bench-profile bench-overhead bench-openai loadtest \
+	train-scorer eval-real eval-prose eval-multiturn tasks eval-sweep kvpress-env eval-kvpress speed speed-quick speed-real bench-service bench-service-real bench-peers bench-step-split llamacpp-server gpu-check bench-sessions bench-steady bench-profile bench-overhead bench-openai loadtest \
 	system-deps image image-lb test-cluster load-time test-faults test-fuzz stress soak docs-results publish-results
 
 REFERENCE := models/reference
@@ -286,6 +286,48 @@ bench-service: setup  ## [benchmark] the real server (full, kvpop at 88%) vs Fas
 	@test -f $(BENCH_MODEL)/model_spec.json || $(PY) -m export --model $(BENCH_HF) --output $(BENCH_MODEL)
 	@test -f $(BENCH_MODEL)/decoder_step.last.onnx || $(PY) -m export.step_variants $(BENCH_MODEL)
 	$(PY) -m kvpop_eval.bench.service --model $(BENCH_MODEL) --hf-model $(BENCH_HF) --out-dir $(RESULTS_OUT)/service-$(notdir $(BENCH_MODEL:/=)) $(BENCH_ARGS)
+
+# The service benchmark on SmolLM2 as `make export` wrote it: English prompts; prefill-heavy, long generation,
+# memory-bound (8 users, a KV pool of 4 full-cache sequences) and short chat; the full cache vs kvpop at 88%
+# vs the classic design (once), 2 interleaved repetitions (~20 min on 2 quiet cores): build/results/service-smollm2/
+REAL_BENCH_ARGS ?=
+REAL_BENCH_MODEL ?= model_repository/kvpop_engine/1
+bench-service-real: setup model  ## [benchmark] SmolLM2 through the real server: full vs kvpop 88% vs classic, 4 workloads (~20 min): build/results/service-smollm2/
+	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements/constraints.txt -r requirements/bench.txt
+	@test -f $(REAL_BENCH_MODEL)/model_spec.json || { echo "no exported model: run 'make export' first"; exit 1; }
+	$(PY) -m kvpop_eval.bench.real_service --model $(REAL_BENCH_MODEL) --hf-model $(REAL_MODEL) \
+		--out-dir $(RESULTS_OUT)/service-smollm2 $(REAL_BENCH_ARGS)
+
+# The CPU peer: llama.cpp's own server (continuous batching over parallel slots), built from the llama.cpp
+# sources that the llama-cpp-python sdist on PyPI vendors (C++, ~20 min on 2 cores, once), on the GGUF
+# SmolLM2 ships in (Q4_1) and its F16 / F32 copies (llama-quantize).
+LLAMACPP_VERSION := 0.3.36
+LLAMACPP_DIR := build/llamacpp
+LLAMACPP_SERVER := $(LLAMACPP_DIR)/cmake-build/bin/llama-server
+llamacpp-server: $(LLAMACPP_SERVER)  ## [benchmark] build llama.cpp's llama-server and llama-quantize (the CPU peer) into build/llamacpp/
+
+$(LLAMACPP_SERVER): | $(SETUP_STAMP)
+	@test -f $(LLAMACPP_DIR)/src/CMakeLists.txt || { mkdir -p $(LLAMACPP_DIR) && \
+		$(PY) -m pip download --quiet --disable-pip-version-check --no-deps --no-binary :all: llama-cpp-python==$(LLAMACPP_VERSION) -d $(LLAMACPP_DIR) && \
+		tar -xzf $(LLAMACPP_DIR)/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz -C $(LLAMACPP_DIR) && \
+		mv $(LLAMACPP_DIR)/llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp $(LLAMACPP_DIR)/src; }
+	cmake -S $(LLAMACPP_DIR)/src -B $(LLAMACPP_DIR)/cmake-build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
+		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_OPENSSL=OFF \
+		-DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF >/dev/null
+	cmake --build $(LLAMACPP_DIR)/cmake-build --target llama-server llama-quantize -j$(THREADS)
+
+PEERS_ARGS ?= --workloads prefill longgen chat --repetitions 2
+bench-peers: setup model $(LLAMACPP_SERVER)  ## [benchmark] SmolLM2: the real server (full, kvpop 88%) vs llama.cpp's server at Q4_1 / F16 / F32, same prompts and clients: build/results/peers-smollm2/
+	@test -f $(REAL_BENCH_MODEL)/model_spec.json || { echo "no exported model: run 'make export' first"; exit 1; }
+	$(PY) -m kvpop_eval.bench.real_service --model $(REAL_BENCH_MODEL) --hf-model $(REAL_MODEL) \
+		--systems full kvpop llamacpp:Q4_1 llamacpp:F16 llamacpp:F32 --once --out-dir $(RESULTS_OUT)/peers-smollm2 $(PEERS_ARGS)
+
+bench-step-split: setup  ## [benchmark] a decode step's time split into weights and KV traffic (measured bandwidth; an H100's predicted): build/results/step-split/
+	$(PY) -m kvpop_eval.bench.step_split --model $(SPEED_MODEL) --out-dir $(RESULTS_OUT)/step-split
+
+GPU_CHECK_ARGS ?=
+gpu-check: setup model  ## [benchmark] on a GPU machine (<10 min): float16 export, CUDA parity, step split, single-GPU service benchmark: build/results/gpu-check/
+	$(PY) -m kvpop_eval.bench.gpu_check --out-dir $(RESULTS_OUT)/gpu-check $(GPU_CHECK_ARGS)
 
 SESSION_MODEL ?= build/reference-export
 bench-sessions: setup  ## [benchmark] TTFT per turn of a 10-turn conversation, sessions vs resending the whole history: build/results/sessions/

@@ -17,6 +17,7 @@ import math
 import random
 import re
 import shutil
+import statistics
 import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -91,6 +92,13 @@ SPECS = {
         ResultSpec("service-reference", "service-reference/service.json",
                    "the real server vs FastAPI + HF generate, reference model, kvpop at 88%",
                    "make bench-service BENCH_ARGS='--workloads a c d --repetitions 1 --stall-tokens 0'"),
+        ResultSpec("service-smollm2", "service-smollm2/service.json",
+                   "SmolLM2 through the real server: the full cache, kvpop at 88% and the classic design",
+                   "make bench-service-real"),
+        ResultSpec("peers-smollm2", "peers-smollm2/service.json",
+                   "SmolLM2 on the CPU: the real server against llama.cpp's server", "make bench-peers"),
+        ResultSpec("step-split", "step-split/step_split.json",
+                   "SmolLM2's decode step: weights and KV traffic", "make bench-step-split"),
     )
 }
 # the quality results in README's headline, in its order (then the multi-turn chats and the service's speed)
@@ -238,6 +246,67 @@ def service_table(name: str, service: dict, manifest: dict) -> str:
     return "\n".join(lines) + "\n\n" + provenance(name, manifest) + "\n"
 
 
+def real_service_table(name: str, service: dict, manifest: dict) -> str:
+    """kvpop_eval.bench.real_service: per workload, every system's medians and kvpop's ratio against it."""
+    fmt = lambda value, spec=".1f": "-" if value is None else format(value, spec)  # noqa: E731
+    median = lambda cells, key: statistics.median([c[key] for c in cells if c.get(key) is not None] or [math.nan])  # noqa: E731
+    lines = [
+        f"{service['machine']} (load average {service['load_average'][0]:.1f} at the start, {service['load_average_end'][0]:.1f} "
+        f"at the end); model `{service['model']}`; kvpop at 88% compression; {service['repetitions']} interleaved "
+        f"repetition(s), medians (once: {', '.join(service['once']) or 'none'}); English prompts, every request exactly "
+        "its output tokens.",
+        "",
+        "| workload | system | req/s | output tok/s | TTFT p50 (ms) | ITL p50 / p90 (ms) | kvpop vs it: req/s, output tok/s, ITL p50 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for workload in service["workloads"]:
+        for system in service["systems"]:
+            cells = service["cells"][workload["name"]][system]
+            if not cells:
+                continue
+            ratio = service["ratios"][workload["name"]].get(system)
+            against = "" if ratio is None else (f"{fmt(ratio['rps'], '.2f')}x, {fmt(ratio['tps'], '.2f')}x, "
+                                                 f"{fmt(ratio['itl_p50_shorter'], '.2f')}x shorter")
+            lines.append(f"| {workload['label']} ({workload['clients']} clients) | {system} | {median(cells, 'requests_per_s'):.3f} | "
+                         f"{median(cells, 'output_tokens_per_s'):.1f} | {fmt(median(cells, 'ttft_p50_ms'), '.0f')} | "
+                         f"{fmt(median(cells, 'itl_p50_ms'))} / {fmt(median(cells, 'itl_p90_ms'))} | {against} |")
+    return "\n".join(lines).replace("nan", "-") + "\n\n" + provenance(name, manifest) + "\n"
+
+
+def step_split_table(name: str, split: dict, manifest: dict) -> str:
+    """kvpop_eval.bench.step_split: the measured step, its floor and the GPU's predicted floor."""
+    bandwidth = split["bandwidth"]
+    lines = [
+        f"{split['machine']} (load average {split['load_average']:.1f}); {split['weight_bytes'] / 1e6:.0f} MB of weights, "
+        f"{split['kv_bytes_per_token'] / 1e3:.1f} kB of KV per token; measured bandwidth {bandwidth['floor_bytes_per_s'] / 1e9:.1f} GB/s; "
+        f"fit: {split['fit']['fixed_s'] * 1e3:.0f} ms + {split['fit']['per_slot_s'] * 1e9:.0f} ns x batch x slots; medians of "
+        f"{split['rounds']} interleaved repetitions. GPU columns: the floor at {split['gpu_bandwidth'] / 1e12:.1f} TB/s, a "
+        "prediction, not a measurement.",
+        "",
+        "| batch | context | cache (slots) | measured ms | floor ms: weights + KV | fitted ms: fixed + KV | full / kvpop measured | "
+        "full / kvpop on the floor | GPU floor ms fp16 (predicted) | full / kvpop on the GPU floor (predicted) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    ratios = {(row["batch"], row["context"]): row for row in split["ratios"]}
+    for row in split["rows"]:
+        ratio = ratios[(row["batch"], row["context"])]
+        shown = {key: f"{ratio[key]:.2f}x" if row["cache"] == "full" else ""  # once per (batch, context): on its full row
+                 for key in ("measured_full_over_kvpop", "floor_full_over_kvpop", "predicted_gpu_full_over_kvpop")}
+        lines.append(
+            f"| {row['batch']} | {row['context']} | {row['cache']} ({row['slots']}) | {row['median_s'] * 1e3:.0f} | "
+            f"{row['floor_weights_s'] * 1e3:.0f} + {row['floor_kv_s'] * 1e3:.0f} | {row['fitted_fixed_s'] * 1e3:.0f} + "
+            f"{row['fitted_kv_s'] * 1e3:.0f} | {shown['measured_full_over_kvpop']} | {shown['floor_full_over_kvpop']} | "
+            f"{row['predicted_gpu_fp16_s'] * 1e3:.2f} | {shown['predicted_gpu_full_over_kvpop']} |")
+    lines += ["", f"Predicted on a {split['gpu_bandwidth'] / 1e12:.1f} TB/s GPU in float16, the floor alone (not a measurement):", "",
+              "| batch | " + " | ".join(f"{context} tokens: full / kvpop ms" for context in sorted({r["context"] for r in split["gpu_predictions"]}))
+              + " |", "|---|" + "---|" * len({r["context"] for r in split["gpu_predictions"]})]
+    for batch in sorted({row["batch"] for row in split["gpu_predictions"]}):
+        cells = [f"{row['full_fp16_s'] * 1e3:.2f} / {row['kvpop_fp16_s'] * 1e3:.2f} ({row['full_over_kvpop']:.2f}x)"
+                 for row in split["gpu_predictions"] if row["batch"] == batch]
+        lines.append(f"| {batch} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n\n" + provenance(name, manifest) + "\n"
+
+
 def median_cell(repetitions: list[dict]) -> dict:
     """The repetition with the median output rate stands for the cell (one repetition: itself)."""
     return sorted(repetitions, key=lambda cell: cell["output_tokens_per_s"])[len(repetitions) // 2]
@@ -309,6 +378,10 @@ def render_table(name: str, results_dir: Path) -> str:
     result = load_result(results_dir, name)
     if result is None:
         return missing(name)
+    if result.get("kind") == "real-service":
+        return real_service_table(name, result, manifest)
+    if result.get("kind") == "step-split":
+        return step_split_table(name, result, manifest)
     if "cells" in result:
         return service_table(name, result, manifest)
     if "results" in result:

@@ -295,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             systems.stop()
         shutil.rmtree(scratch, ignore_errors=True)  # model repositories hold copies of the weights
     report = {
+        "kind": "real-service",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
         "wall_s": time.time() - started,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared), no GPU",

@@ -45,8 +45,9 @@ def kvpop_slots(tokens: int, compression: float = COMPRESSION) -> int:
 
 
 def stream_bandwidth(megabytes: int = 512, threads: int | None = None, rounds: int = 5) -> dict[str, float]:
-    """Bytes/s this machine's memory delivers: the best of `rounds` for a read (sum) and a copy (read +
-    write, counted twice as STREAM does), split over `threads` numpy threads (numpy releases the GIL)."""
+    """Bytes/s this machine's memory delivers: the best of `rounds` for a read (max, vectorised and not
+    compute-bound) and a copy (read + write, counted twice as STREAM does), split over `threads` numpy
+    threads (numpy releases the GIL)."""
     threads = threads or os.cpu_count() or 1
     source = np.ones(megabytes * 2**20 // 4, np.float32)
     target = np.empty_like(source)
@@ -65,9 +66,10 @@ def stream_bandwidth(megabytes: int = 512, threads: int | None = None, rounds: i
             times.append(time.perf_counter() - start)
         return bytes_moved / min(times)
 
-    read = best(lambda low, high: source[low:high].sum(dtype=np.float32), source.nbytes)
+    read = best(lambda low, high: source[low:high].max(), source.nbytes)
     copy = best(lambda low, high: np.copyto(target[low:high], source[low:high]), 2 * source.nbytes)
-    return {"read_bytes_per_s": read, "copy_bytes_per_s": copy, "threads": threads, "array_mb": megabytes}
+    return {"read_bytes_per_s": read, "copy_bytes_per_s": copy, "floor_bytes_per_s": max(read, copy), "threads": threads,
+            "array_mb": megabytes}
 
 
 def weight_bytes(model_dir: Path) -> int:
@@ -157,6 +159,18 @@ def ratios(rows: list[dict]) -> list[dict]:
     return result
 
 
+def gpu_predictions(weights: int, kv_bytes_per_token: int, batches: list[int], contexts: list[int], bandwidth: float) -> list[dict]:
+    """The floor alone (no measurement) at a GPU's bandwidth, in float16 (half of every byte), at the larger
+    batches a GPU serves: full and kvpop step time and their ratio per (batch, context)."""
+    rows = []
+    for batch in batches:
+        for context in contexts:
+            step = lambda slots: (weights + batch * slots * kv_bytes_per_token) / 2 / bandwidth  # noqa: E731
+            full, kvpop = step(context), step(kvpop_slots(context))
+            rows.append({"batch": batch, "context": context, "full_fp16_s": full, "kvpop_fp16_s": kvpop, "full_over_kvpop": full / kvpop})
+    return rows
+
+
 def markdown(report: dict) -> str:
     bandwidth = report["bandwidth"]
     source = ("nominal (the GPU's stated bandwidth, not measured)" if bandwidth.get("nominal") else
@@ -169,9 +183,9 @@ def markdown(report: dict) -> str:
         "",
         f"Memory bandwidth ({source}): read "
         f"{bandwidth['read_bytes_per_s'] / 1e9:.1f} GB/s, copy {bandwidth['copy_bytes_per_s'] / 1e9:.1f} GB/s; the floor "
-        f"uses the read rate. Fit over every row: step = {report['fit']['fixed_s'] * 1e3:.1f} ms + "
+        f"uses the better, {bandwidth['floor_bytes_per_s'] / 1e9:.1f} GB/s. Fit over every row: step = {report['fit']['fixed_s'] * 1e3:.1f} ms + "
         f"{report['fit']['per_slot_s'] * 1e9:.1f} ns x batch x slots (the floor's KV term: "
-        f"{report['kv_bytes_per_token'] / bandwidth['read_bytes_per_s'] * 1e9:.1f} ns a slot).",
+        f"{report['kv_bytes_per_token'] / bandwidth['floor_bytes_per_s'] * 1e9:.1f} ns a slot).",
         "",
         "| batch | context | cache | slots | KV read MB | measured ms | floor weights / KV ms | fitted fixed / KV ms "
         "| KV share (fit) | GPU floor fp32 / fp16 ms (predicted) |",
@@ -188,6 +202,11 @@ def markdown(report: dict) -> str:
     for row in report["ratios"]:
         lines.append(f"| {row['batch']} | {row['context']} | {row['measured_full_over_kvpop']:.2f}x | "
                      f"{row['floor_full_over_kvpop']:.2f}x | {row['predicted_gpu_full_over_kvpop']:.2f}x |")
+    lines += ["", f"Predicted on a {report['gpu_bandwidth'] / 1e12:.1f} TB/s GPU in float16 (the floor alone, not a measurement):",
+              "", "| batch | context | full ms | kvpop ms | full / kvpop |", "|---|---|---|---|---|"]
+    for row in report["gpu_predictions"]:
+        lines.append(f"| {row['batch']} | {row['context']} | {row['full_fp16_s'] * 1e3:.3f} | {row['kvpop_fp16_s'] * 1e3:.3f} | "
+                     f"{row['full_over_kvpop']:.2f}x |")
     lines += ["", "The GPU columns are a prediction from bytes alone (weights and KV at the stated bandwidth), "
               "not a measurement: a GPU step also pays kernel launches and compute, which the floor leaves out."]
     return "\n".join(lines) + "\n"
@@ -228,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved repetitions per case (medians)")
     parser.add_argument("--threads", type=int, default=None, help="onnxruntime threads (default: every core)")
     parser.add_argument("--gpu-bandwidth", type=float, default=H100_BANDWIDTH, help="bytes/s of the predicted GPU")
+    parser.add_argument("--predict-batches", type=int, nargs="+", default=[1, 8, 32, 64],
+                        help="batches of the GPU prediction (the floor alone)")
     parser.add_argument("--bandwidth-mb", type=int, default=512, help="array size of the bandwidth measurement")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="cuda: time the step on the GPU (its floor then uses --gpu-bandwidth, nominal)")
@@ -236,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
 
     spec = ModelSpec.load(args.model)
     if args.device == "cuda":
-        bandwidth = {"read_bytes_per_s": args.gpu_bandwidth, "copy_bytes_per_s": args.gpu_bandwidth, "threads": 0,
+        bandwidth = {"read_bytes_per_s": args.gpu_bandwidth, "copy_bytes_per_s": args.gpu_bandwidth,
+                     "floor_bytes_per_s": args.gpu_bandwidth, "threads": 0,
                      "array_mb": 0, "nominal": True}
     else:
         bandwidth = stream_bandwidth(args.bandwidth_mb)
@@ -245,8 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     weights = weight_bytes(args.model)
     rows = time_steps(args.model, args.batches, args.contexts, args.rounds, args.threads, args.device)
     fixed, per_slot = fit(rows)
-    rows = split(rows, weights, bandwidth["read_bytes_per_s"], fixed, per_slot, args.gpu_bandwidth, spec.kv_bytes_per_token)
+    rows = split(rows, weights, bandwidth["floor_bytes_per_s"], fixed, per_slot, args.gpu_bandwidth, spec.kv_bytes_per_token)
     report = {
+        "kind": "step-split",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared), " + ("the GPU" if args.device == "cuda" else "no GPU"),
         "device": args.device,
@@ -254,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": str(args.model), "weight_bytes": weights, "kv_bytes_per_token": spec.kv_bytes_per_token,
         "compression": COMPRESSION, "rounds": args.rounds, "bandwidth": bandwidth, "gpu_bandwidth": args.gpu_bandwidth,
         "fit": {"fixed_s": fixed, "per_slot_s": per_slot}, "rows": rows, "ratios": ratios(rows),
+        "gpu_predictions": gpu_predictions(weights, spec.kv_bytes_per_token, args.predict_batches, args.contexts, args.gpu_bandwidth),
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "step_split.json").write_text(json.dumps(stamp(report), indent=2) + "\n")

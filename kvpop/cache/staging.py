@@ -111,11 +111,13 @@ class PromptStaging:
         if piece is not None and piece.attention is not None:
             piece.add(key, value, attention, chunk_attention)
             return piece
-        if request_id not in self._buffers:
+        start = 0 if piece is None else piece.length
+        if request_id not in self._buffers:  # the chunk's first piece, or the first after pieces stacked with attention
             shape = (self.spec.num_layers, self.spec.num_kv_heads, chunk_length, self.spec.head_dim)
             self._buffers[request_id] = (np.empty(shape, self.dtype), np.empty(shape, self.dtype))
+            if piece is not None:
+                self._buffers[request_id][0][:, :, :start], self._buffers[request_id][1][:, :, :start] = piece.key, piece.value
         key_buffer, value_buffer = self._buffers[request_id]
-        start = 0 if piece is None else piece.length
         stop = start + key.shape[2]
         key_buffer[:, :, start:stop], value_buffer[:, :, start:stop] = key, value
         if piece is None:

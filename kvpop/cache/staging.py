@@ -2,8 +2,8 @@
 and the decoder's past arrays for a prompt call: part of the cache manager's memory.
 
 A chunk's keys and values go into one buffer of the whole chunk's length as its pieces arrive (a
-2,048-token prompt entering whole is eight pieces: stacking the pieces anew each time copied the prompt
-four times over); only a policy that reads the pieces' attention has them stacked with it."""
+2,048-token prompt entering whole is eight pieces: stacking them anew for every piece would copy the
+prompt about four times over); only a policy that reads the pieces' attention has them stacked with it."""
 
 from __future__ import annotations
 

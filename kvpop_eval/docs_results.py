@@ -279,7 +279,8 @@ def step_split_table(name: str, split: dict, manifest: dict) -> str:
     lines = [
         f"{split['machine']} (load average {split['load_average']:.1f}); {split['weight_bytes'] / 1e6:.0f} MB of weights, "
         f"{split['kv_bytes_per_token'] / 1e3:.1f} kB of KV per token; measured bandwidth {bandwidth['floor_bytes_per_s'] / 1e9:.1f} GB/s; "
-        f"fit: {split['fit']['fixed_s'] * 1e3:.0f} ms + {split['fit']['per_slot_s'] * 1e9:.0f} ns x batch x slots; medians of "
+        f"fit: {split['fit']['fixed_s'] * 1e3:.0f} ms + {split['fit']['per_slot_s'] * 1e6:.2f} µs x batch x slots (the floor: "
+        f"{split['kv_bytes_per_token'] / bandwidth['floor_bytes_per_s'] * 1e6:.2f} µs a slot); medians of "
         f"{split['rounds']} interleaved repetitions. GPU columns: the floor at {split['gpu_bandwidth'] / 1e12:.1f} TB/s, a "
         "prediction, not a measurement.",
         "",

@@ -184,8 +184,8 @@ def markdown(report: dict) -> str:
         f"Memory bandwidth ({source}): read "
         f"{bandwidth['read_bytes_per_s'] / 1e9:.1f} GB/s, copy {bandwidth['copy_bytes_per_s'] / 1e9:.1f} GB/s; the floor "
         f"uses the better, {bandwidth['floor_bytes_per_s'] / 1e9:.1f} GB/s. Fit over every row: step = {report['fit']['fixed_s'] * 1e3:.1f} ms + "
-        f"{report['fit']['per_slot_s'] * 1e9:.1f} ns x batch x slots (the floor's KV term: "
-        f"{report['kv_bytes_per_token'] / bandwidth['floor_bytes_per_s'] * 1e9:.1f} ns a slot).",
+        f"{report['fit']['per_slot_s'] * 1e6:.2f} µs x batch x slots (the floor's KV term: "
+        f"{report['kv_bytes_per_token'] / bandwidth['floor_bytes_per_s'] * 1e6:.2f} µs a slot).",
         "",
         "| batch | context | cache | slots | KV read MB | measured ms | floor weights / KV ms | fitted fixed / KV ms "
         "| KV share (fit) | GPU floor fp32 / fp16 ms (predicted) |",

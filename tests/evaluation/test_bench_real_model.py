@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+from kvpop_eval import docs_results
 from kvpop_eval.bench import gpu_check, real_service, step_split
 from kvpop_eval.bench.english_prompts import english_prompts
 
@@ -24,6 +25,8 @@ def test_step_split_times_full_and_kvpop_caches_and_splits_each_step(tiny_onnx_m
         assert row["slots"] == slots and row["kv_bytes"] == row["batch"] * slots * report["kv_bytes_per_token"]
         assert row["median_s"] > 0 and row["predicted_gpu_fp16_s"] == pytest.approx(row["predicted_gpu_fp32_s"] / 2)
     assert (tmp_path / "step_split.png").exists() and "prediction" in (tmp_path / "step_split.md").read_text()
+    table = docs_results.render_table("step-split", _published(tmp_path, "step-split", report))
+    assert table.count("\n| 2 | 128 |") == 2 and "not a measurement" in table and "make bench-step-split" in table
 
 
 def test_step_split_fit_recovers_a_known_line():
@@ -46,6 +49,26 @@ def test_ratios_pair_repetitions_and_invert_latencies():
     ratio = real_service.ratios(cells, ["full", "kvpop"])["memory"]["full"]
     assert ratio["rps"] == pytest.approx(1.75) and ratio["rps_range"] == [1.5, 2.0]
     assert ratio["itl_p50_shorter"] == pytest.approx(2.5) and ratio["ttft_p50_shorter"] == pytest.approx(1.0)
+
+
+def _published(directory, name: str, result: dict):
+    """A docs/results folder holding `result` as `name` (what `make publish-results` writes)."""
+    published = directory / "published"
+    published.mkdir(exist_ok=True)
+    (published / f"{name}.json").write_text(json.dumps(result))
+    return published
+
+
+def test_the_service_table_shows_each_system_and_kvpops_ratios(tmp_path):
+    cell = {"requests_per_s": 0.2, "output_tokens_per_s": 40.0, "ttft_p50_ms": 900.0, "itl_p50_ms": 100.0, "itl_p90_ms": 120.0}
+    chosen = [real_service.workloads(8)["prefill"]]
+    cells = {"prefill": {"full": [cell], "kvpop": [{**cell, "requests_per_s": 0.25, "output_tokens_per_s": 50.0, "itl_p50_ms": 40.0}]}}
+    report = {"kind": "real-service", "machine": "x86_64, 2 CPUs", "load_average": [1.0], "load_average_end": [1.5],
+              "model": "m", "repetitions": 1, "once": [], "systems": ["full", "kvpop"],
+              "workloads": [vars(w) for w in chosen], "cells": cells, "ratios": real_service.ratios(cells, ["full", "kvpop"])}
+    table = docs_results.render_table("service-smollm2", _published(tmp_path, "service-smollm2", report))
+    assert "| full | 0.200 | 40.0 | 900 | 100.0 / 120.0 | 1.25x, 1.25x, 2.50x shorter |" in table
+    assert "make bench-service-real" in table
 
 
 def test_the_memory_workload_pool_holds_four_full_caches(tiny_onnx_model_dir):

@@ -120,14 +120,13 @@ def kvpop_grpc(triton_server):
         yield client
 
 
-@pytest.fixture
-def metrics(triton_server):
-    """Read the server's Prometheus samples: all of them, or one metric summed over the label sets
-    that include the given labels, e.g. metrics("kvpop_requests_total", finish_reason="cancelled")."""
+def metric_reader(metrics_url: str):
+    """Read a server's Prometheus samples: all of them, or one metric summed over the label sets that
+    include the given labels, e.g. read("kvpop_requests_total", finish_reason="cancelled")."""
     from kvpop_client import KVpopClient
 
     def read(name: str | None = None, **labels: str):
-        samples = KVpopClient.metrics(triton_server.metrics_url)
+        samples = KVpopClient.metrics(metrics_url)
         if name is None:
             return samples
         total = 0.0
@@ -139,6 +138,12 @@ def metrics(triton_server):
         return total
 
     return read
+
+
+@pytest.fixture
+def metrics(triton_server):
+    """The shared server's metrics (metric_reader)."""
+    return metric_reader(triton_server.metrics_url)
 
 
 def start_api(triton_server, env: dict[str, str] | None = None, *args: str, log: Path | None = None):
@@ -172,4 +177,4 @@ def openai_api(triton_server, openai_api_log):
     process, url = start_api(triton_server, {"KVPOP_OPENAI_API_KEY": ""}, log=openai_api_log)
     yield url
     process.terminate()
-    process.wait(10)
+    process.wait(40)  # uvicorn gives open connections up to 30 s

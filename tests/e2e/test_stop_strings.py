@@ -11,7 +11,6 @@ import urllib.request
 import numpy as np
 import openai
 import pytest
-import tritonclient.grpc as grpcclient
 
 pytestmark = pytest.mark.server
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from tests.e2e.conftest import metric_reader
 
 pytestmark = [pytest.mark.server, pytest.mark.fuzz]
-EXAMPLES = int(os.environ.get("HYPOTHESIS_EXAMPLES", "40"))
+EXAMPLES = int(os.environ.get("HYPOTHESIS_EXAMPLES", "200"))  # per property: about 30 s in all
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 
 floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-10, 10), st.just(0.5))

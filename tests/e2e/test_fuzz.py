@@ -241,6 +241,30 @@ def test_any_openai_body_gets_an_answer_or_an_openai_error(openai_api, body, cha
     check_openai_answer(status, raw, body.get("stream") is True and status == 200, body)
 
 
+TEXT_FIELDS = {  # a valid request with one string replaced
+    "prompt": lambda body, text: {**body, "prompt": text},
+    "prompt list": lambda body, text: {**body, "prompt": [text]},
+    "message": lambda body, text: {**body, "messages": [{"role": "user", "content": text}]},
+    "message part": lambda body, text: {**body, "messages": [{"role": "user", "content": [{"type": "text", "text": text}]}]},
+    "stop": lambda body, text: {**body, "stop": text},
+    "stop list": lambda body, text: {**body, "stop": ["never", text]},
+    "session_id": lambda body, text: {**body, "session_id": text},
+    "eviction_policy": lambda body, text: {**body, "eviction_policy": text},
+    "user": lambda body, text: {**body, "user": text},
+    "key": lambda body, text: {**body, text: 1},
+}
+
+
+@FUZZ
+@given(field=st.sampled_from(sorted(TEXT_FIELDS)), text=any_text, chat=st.booleans())
+def test_any_text_in_any_string_field_gets_an_answer_or_an_openai_error(openai_api, field, text, chat):
+    body = {"model": "kvpop_engine", "max_tokens": 2}
+    body = TEXT_FIELDS[field]({**body, "messages": [{"role": "user", "content": "hi"}]} if chat else {**body, "prompt": "hi"},
+                              text)
+    status, raw = send(openai_api, "POST", "/v1/chat/completions" if chat else "/v1/completions", encoded(body))
+    check_openai_answer(status, raw, False, body)
+
+
 @FUZZ
 @given(method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH"]),
        path=st.one_of(st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/kvpop_engine"]),

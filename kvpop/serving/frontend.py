@@ -82,6 +82,8 @@ def _scalar_tensor(name: str, value: Any, dtype: np.dtype) -> np.ndarray:
             value = value.strip().lower() in ("1", "true", "yes")
         return np.array([[bool(value)]], dtype=np.bool_)
     try:
+        if isinstance(value, str):  # benchmark tools send numbers as strings, as the engine's parser accepts
+            value = kind(value)
         return np.array([[SCALAR_SPECS[name].check(value)]], dtype=dtype)
     except ValueError as error:
-        raise InvalidRequestError(f"parameter {error}") from None
+        raise InvalidRequestError(f"parameter {name}: {error}") from None

@@ -78,9 +78,11 @@ def _scalar(name: str, tensor: np.ndarray | None, parameter: Any) -> Any:
     if kind is str:
         return _decode_utf8(parameter if isinstance(parameter, str) else str(parameter), f"parameter {name}")
     try:
+        if isinstance(parameter, str):  # benchmark tools send numbers as strings (genai-perf: "max_tokens": "8")
+            parameter = kind(parameter)
         return contract.SCALAR_INPUTS[name].check(parameter)
     except ValueError as error:
-        raise InvalidRequestError(f"parameter {error}") from None
+        raise InvalidRequestError(f"parameter {name}: {error}") from None
 
 
 def parse_parameters(text: str | None) -> dict[str, Any]:

@@ -156,10 +156,17 @@ def test_parse_rejects_malformed_inputs(tokenizer, tensors, message):
     ({"temperature": True}, "temperature must be a number"),
     ({"kv_budget": -5, "eviction_policy": "streaming"}, "kv_budget must be >= 1"),
     ({"kv_budget": -5}, "kv_budget must be >= 1"),
+    ({"max_tokens": "2147483648"}, "max_tokens is out of range for INT32"),  # a number sent as a string
+    ({"max_tokens": "eight"}, "parameter max_tokens"),
 ])
 def test_parameters_are_checked_against_their_wire_type(tokenizer, parameters, message):
     with pytest.raises(InvalidRequestError, match=message):
         parse(tokenizer, parameters, input_ids=np.array([5, 6, 7]))
+
+
+def test_numbers_sent_as_strings_are_numbers(tokenizer):
+    parsed = parse(tokenizer, {"max_tokens": "8", "temperature": "0.5"}, input_ids=np.array([5, 6, 7]))
+    assert parsed.generation.sampling.max_tokens == 8 and parsed.generation.sampling.temperature == 0.5
 
 
 def test_kv_budget_zero_means_not_sent_on_every_path(tokenizer):

@@ -111,7 +111,7 @@ test-faults: setup  ## [test] stubs killed with SIGKILL and SIGTERM under load, 
 	$(PY) -m pytest -q -m faults tests/e2e/test_faults.py
 
 FUZZ_EXAMPLES ?= 2000
-test-fuzz: setup  ## [test] the property-based request fuzzer against the real server, FUZZ_EXAMPLES requests
+test-fuzz: setup  ## [test] the property-based fuzzer (KServe routes and OpenAI API, real servers), FUZZ_EXAMPLES examples per property
 	HYPOTHESIS_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -m fuzz tests/e2e/test_fuzz.py
 
 STRESS_ARGS ?= --requests 1000 --concurrency 8 --policy kvpop --compression-ratio 0.88 --prompt-tokens 2048 --max-tokens 32

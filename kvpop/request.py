@@ -117,13 +117,14 @@ class TokenEvent:
     token_id: int  # NO_TOKEN (-1) for a cancellation
     finished: bool
     finish_reason: FinishReason | None  # once finished
+    text: str = ""  # the answer's text this token completed (an engine with a tokenizer; kvpop.engine.detokenizer)
 
 
 @dataclass
 class GenerationResult:
     request_id: str
     prompt_ids: list[int]
-    output_ids: list[int]  # includes a final EOS token, as Hugging Face generate does
+    output_ids: list[int]  # every generated token: a final EOS (as Hugging Face generate) and a stop string's tokens too
     finish_reason: FinishReason
     budget: int  # slots per head (for full: the tokens it ended up holding)
     peak_kv_bytes: int  # largest key + value storage this sequence held
@@ -132,6 +133,7 @@ class GenerationResult:
     tokens_seen: int = 0
     policy: str = "full"
     matched_stop: str | None = None  # the stop string that ended it, if any (its tokens stay in output_ids)
+    text: str = ""  # the answer's text (special tokens skipped), ending before a stop string; "" without a tokenizer
     tokens_reused: int = 0  # prompt tokens taken from a saved session or a warm prefix (not computed)
     session_tier: Tier | None = None  # where the session's state was found, if it was
     prefix_lookup: bool = False  # the warm prefixes were searched (no session state continued it)

@@ -6,8 +6,13 @@ a freshly exported tiny Llama, so the tests never touch (or depend on) `make exp
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -115,14 +120,13 @@ def kvpop_grpc(triton_server):
         yield client
 
 
-@pytest.fixture
-def metrics(triton_server):
-    """Read the server's Prometheus samples: all of them, or one metric summed over the label sets
-    that include the given labels, e.g. metrics("kvpop_requests_total", finish_reason="cancelled")."""
+def metric_reader(metrics_url: str):
+    """Read a server's Prometheus samples: all of them, or one metric summed over the label sets that
+    include the given labels, e.g. read("kvpop_requests_total", finish_reason="cancelled")."""
     from kvpop_client import KVpopClient
 
     def read(name: str | None = None, **labels: str):
-        samples = KVpopClient.metrics(triton_server.metrics_url)
+        samples = KVpopClient.metrics(metrics_url)
         if name is None:
             return samples
         total = 0.0
@@ -134,3 +138,43 @@ def metrics(triton_server):
         return total
 
     return read
+
+
+@pytest.fixture
+def metrics(triton_server):
+    """The shared server's metrics (metric_reader)."""
+    return metric_reader(triton_server.metrics_url)
+
+
+def start_api(triton_server, env: dict[str, str] | None = None, *args: str, log: Path | None = None):
+    """`python -m kvpop.openai_api` against `triton_server` on a free port: (process, base URL) once healthy."""
+    port = free_port()
+    output = open(log, "wb") if log is not None else subprocess.DEVNULL
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvpop.openai_api", "--port", str(port), "--triton-grpc", triton_server.grpc_url, *args],
+        env={**os.environ, **(env or {})}, stdout=output, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as response:
+                if response.status == 200:
+                    return process, url
+        except OSError:
+            time.sleep(0.2)
+    process.kill()
+    raise AssertionError("the OpenAI API did not become healthy")
+
+
+@pytest.fixture(scope="session")
+def openai_api_log(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("openai-api") / "openai_api.log"
+
+
+@pytest.fixture(scope="session")
+def openai_api(triton_server, openai_api_log):
+    """The OpenAI-compatible API (no key) against the shared server, its output in `openai_api_log`."""
+    process, url = start_api(triton_server, {"KVPOP_OPENAI_API_KEY": ""}, log=openai_api_log)
+    yield url
+    process.terminate()
+    process.wait(40)  # uvicorn gives open connections up to 30 s

@@ -33,6 +33,8 @@ EXPECTED_EVICTIONS = {
     "tova": (3, 5),  # lowest attention from the newest query; nothing protected
     "random": "seeded",  # checked for reproducibility instead
     "kvpop": (3, 4),  # head 0: a kept long-range token; head 1: the token leaving the window
+    "keep_start": (4, 4),  # the latest token outside the window {5, 6}; attention ignored
+    "snapkv": (0, 0),  # tokens that came one by one (no question to read): the oldest
 }
 
 

@@ -219,6 +219,28 @@ eval-real-kvpress: setup kvpress-env  ## [evaluate] kvpress presses (REAL_KVPRES
 		$(PY) -m kvpop_eval.kvpress_compare merge --kvpress $$dir/kvpress.json --sweep-dir $$dir || exit 1; \
 	done
 
+# The diverse suite (kvpop_eval/diverse_tasks.py: seven text sources, two held out of everything but test) through the
+# prefill-once harness. Validation: where design choices are made. Test: the pre-registered plan
+# (docs/results/preregistration-diverse.json), run piece by piece (DIVERSE_PIECE), resumable, analysed as registered.
+DIVERSE_PLAN ?= docs/results/preregistration-diverse.json
+DIVERSE_VALIDATION_NUM ?= 25
+DIVERSE_VALIDATION_POLICIES ?= kvpop:mlstm
+DIVERSE_PIECE ?= 1
+eval-diverse-validation: setup  ## [evaluate] the diverse suite's validation split, full vs DIVERSE_VALIDATION_POLICIES at 75/88/94%: build/results/diverse-validation/
+	@test -f model_repository/kvpop_engine/1/model_spec.json || { echo "no exported model: run 'make export' first"; exit 1; }
+	$(PY) -m kvpop_eval.diverse_tasks write --model $(REAL_MODEL) --split validation --context-tokens 2048 \
+		--num $(DIVERSE_VALIDATION_NUM) --out build/diverse/validation-2048.jsonl
+	$(PY) -m kvpop_eval.quality.prefill_once --model model_repository/kvpop_engine/1 --tasks build/diverse/validation-2048.jsonl \
+		--policies $(DIVERSE_VALIDATION_POLICIES) --scoring fact --out-dir $(RESULTS_OUT)/diverse-validation
+	$(PY) -m kvpop_eval.quality.analysis --runs $(RESULTS_OUT)/diverse-validation --tasks build/diverse/validation-2048.jsonl \
+		--out-dir $(RESULTS_OUT)/diverse-validation --detail kvpop:mlstm@0.88
+
+eval-diverse-test: setup  ## [evaluate] piece DIVERSE_PIECE of the pre-registered test plan (resumes), then the plan's analysis of every task run: build/results/diverse-test/
+	@test -f model_repository/kvpop_engine/1/model_spec.json || { echo "no exported model: run 'make export' first"; exit 1; }
+	$(PY) -m kvpop_eval.quality.plan tasks --plan $(DIVERSE_PLAN)
+	$(PY) -m kvpop_eval.quality.plan run --plan $(DIVERSE_PLAN) --piece $(DIVERSE_PIECE)
+	$(PY) -m kvpop_eval.quality.plan analyse --plan $(DIVERSE_PLAN) --out-dir $(RESULTS_OUT)/diverse-test/analysis
+
 MULTITURN_SPLIT ?= test
 MULTITURN_NUM ?= 24
 MULTITURN_TURNS ?= 12

@@ -67,7 +67,7 @@ def cell_statistics(correct: np.ndarray, full: np.ndarray, in_cache: np.ndarray,
 
 
 def analyse(records: list[dict]) -> dict:
-    cells = list(records[0]["cells"])
+    cells = [name for name in records[0]["cells"] if all(name in record["cells"] for record in records)]  # run on every task
     groups: dict[str, list[int]] = {"all": list(range(len(records)))}
     for key in GROUPINGS:
         for index, record in enumerate(records):

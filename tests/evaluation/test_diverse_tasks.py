@@ -65,3 +65,28 @@ def test_ratio_interval_and_retained_share():
     result = analyse(records)
     assert set(result) == {"all", "family=single", "family=pair"} and result["all"]["kvpop@0.88"]["tasks"] == 10
     json.dumps(result)
+
+
+def test_a_plan_reads_its_pieces_in_line_order_up_to_the_first_unfinished(tmp_path):
+    import hashlib
+
+    from kvpop_eval.quality.plan import check_tasks, finished_runs
+
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"index": i, "answer": str(i)}) + "\n" for i in range(6)))
+    plan = {"results": str(tmp_path / "results"),
+            "task_files": [{"path": str(tasks), "sha256": hashlib.sha256(tasks.read_bytes()).hexdigest()}],
+            "pieces": [{"piece": n + 1, "tasks": str(tasks), "lines": f"{2 * n + 1}:{2 * n + 2}",
+                        "policies": ["kvpop:mlstm", "h2o"] if n == 0 else ["kvpop:mlstm"]} for n in range(3)]}
+    check_tasks(plan)
+    for number, done in ((1, 2), (2, 1), (3, 2)):  # piece 2 stopped after one task: piece 3 is not read
+        folder = tmp_path / "results" / f"piece-{number:02d}"
+        folder.mkdir(parents=True)
+        (folder / "tasks.jsonl").write_text("{}\n" * done)
+    runs, count = finished_runs(plan, str(tasks))
+    assert [run.name for run in runs] == ["piece-01", "piece-02"] and count == 3
+    runs, count = finished_runs(plan, str(tasks), ("h2o",))
+    assert [run.name for run in runs] == ["piece-01"] and count == 2
+    tasks.write_text(tasks.read_text() + "\n")
+    with pytest.raises(ValueError, match="not the registered tasks"):
+        check_tasks(plan)

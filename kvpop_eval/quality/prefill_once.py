@@ -197,14 +197,18 @@ def summarize(records: list[dict], cells: list[Cell], configs: dict[Cell, CacheC
 
 
 def sweep_cells(policies: list[str], compressions: tuple[float, ...]) -> list[Cell]:
-    """The full cache, then every policy at every non-zero compression."""
-    return [Cell("full", 0.0)] + [Cell(policy, ratio) for ratio in compressions if ratio for policy in policies if policy != "full"]
+    """The full cache, then every policy at every non-zero compression (`POLICY@RATIO`: that one only)."""
+    cells = [Cell(policy, ratio) for ratio in compressions if ratio for policy in policies if policy != "full" and "@" not in policy]
+    cells += [Cell(policy.partition("@")[0], float(policy.partition("@")[2])) for policy in policies if "@" in policy]
+    return [Cell("full", 0.0)] + cells
 
 
-def run(engine: Engine, tasks: list[dict], lines_digest: str, tasks_file: str, out_dir: Path, policies: list[str],
+def run(engine: Engine, lines: list[str], tasks_file: str, out_dir: Path, policies: list[str],
         compressions: tuple[float, ...], max_tokens: int, scoring: str, sinks: int, window: int,
         kvpop_options: dict | None = None) -> list[dict]:
-    """Every task not yet in out_dir/tasks.jsonl, then the sweep over all of them."""
+    """Every task (a line of `lines`) not yet in out_dir/tasks.jsonl, then the sweep over the tasks done: its digest
+    is of their lines, so a piece cut short still joins the lines before it (`quality --concat`)."""
+    tasks = [json.loads(line) for line in lines]
     cells = sweep_cells(policies, compressions)
     configs = {cell: CacheConfig(policy="full") if cell.policy == "full"
                else policy_config(cell.policy, cell.compression, sinks, window, kvpop_options) for cell in cells}
@@ -229,12 +233,13 @@ def run(engine: Engine, tasks: list[dict], lines_digest: str, tasks_file: str, o
             records.append(record)
             progress.update()
     summary = summarize(records, cells, configs, engine)
-    header = stamp({"tasks": len(records), "scoring": scoring, "tasks_file": tasks_file, "tasks_sha256": lines_digest,
+    digest = hashlib.sha256("".join(lines[: len(records)]).encode()).hexdigest()
+    header = stamp({"tasks": len(records), "scoring": scoring, "tasks_file": tasks_file, "tasks_sha256": digest,
                     "complete": len(records) == len(tasks), "harness": "prefill_once", "max_tokens": max_tokens,
                     "prefill_seconds": sum(record["prefill_seconds"] for record in records),
                     "seconds": sum(record["seconds"] for record in records)})
     (out_dir / "sweep.json").write_text(json.dumps({**header, "results": summary}, indent=2) + "\n")
-    ratios = tuple(sorted({0.0, *compressions}))
+    ratios = tuple(sorted({cell.compression for cell in cells}))
     (out_dir / "sweep.md").write_text(markdown_table(summary, ratios))
     plot_sweep(summary, out_dir / "accuracy_vs_compression.png")
     return summary
@@ -256,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, required=True, help="exported model directory (decoder_step.onnx)")
     parser.add_argument("--tasks", type=Path, required=True, help="JSONL with 'prompt' and 'answer' per line")
     parser.add_argument("--lines", type=line_range, help="FIRST:LAST: this piece of the tasks file only (a resumable plan's piece)")
-    parser.add_argument("--policies", required=True, help="comma-separated sweep names (harness.policy_config); full always runs")
+    parser.add_argument("--policies", required=True,
+                        help="comma-separated sweep names (harness.policy_config), NAME@RATIO for one compression; full always runs")
     parser.add_argument("--compressions", default="0.75,0.88,0.94")
     parser.add_argument("--scoring", choices=["final_answer", "contains", "fact"], default="contains")
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -271,12 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     first, last = args.lines or (1, len(lines))
     if last > len(lines):
         parser.error(f"--lines {first}:{last}: the tasks file has {len(lines)} lines")
-    piece = "".join(lines[first - 1 : last])
-    tasks = [json.loads(line) for line in piece.splitlines() if line.strip()]
     policies = [name.strip() for name in args.policies.split(",") if name.strip()]
     compressions = tuple(float(ratio) for ratio in args.compressions.split(","))
     engine = build_engine(args.model, max_batch_size=args.batch_size, prefill_chunk=args.prefill_chunk)
-    run(engine, tasks, hashlib.sha256(piece.encode()).hexdigest(), str(args.tasks), args.out_dir, policies, compressions,
+    run(engine, lines[first - 1 : last], str(args.tasks), args.out_dir, policies, compressions,
         args.max_tokens, args.scoring, args.sinks, args.window)
     print(f"wrote {args.out_dir}/tasks.jsonl, sweep.json, sweep.md, accuracy_vs_compression.png")
     return 0

@@ -17,14 +17,26 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import subprocess
 import sys
 from pathlib import Path
 
+from kvpop_eval.provenance import stamp
 from kvpop_eval.quality import analysis, prefill_once
 
 
+def registration_commits(path: str) -> list[str]:
+    """Every commit of the plan file, the registration first (its amendments after, each made before any test
+    task ran: the plan says so): what the plan's results name as its pre-registration."""
+    try:
+        found = subprocess.run(["git", "log", "--format=%H", "--", path], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    return found.stdout.split()[::-1]
+
+
 def load_plan(path: Path) -> dict:
-    plan = json.loads(Path(path).read_text())
+    plan = {**json.loads(Path(path).read_text()), "file": str(path)}
     for number, piece in enumerate(plan["pieces"], start=1):
         if piece["piece"] != number:
             raise ValueError(f"{path}: piece {number} is numbered {piece['piece']}")
@@ -91,6 +103,21 @@ def finished_runs(plan: dict, tasks_path: str, policies: tuple[str, ...] | None 
     return runs, count
 
 
+def write_sweep(plan: dict, group: dict, runs: list[Path], subset: Path, out_dir: Path) -> None:
+    """The group's tasks as one sweep (harness.sweep's format, the cells every task ran), naming the plan and the
+    commit it was registered at: what `make publish-results` takes into docs/results/."""
+    records = analysis.load_records(runs, subset)
+    names = [name for name in records[0]["cells"] if all(name in record["cells"] for record in records)]
+    cells = [prefill_once.Cell(name.rpartition("@")[0], float(name.rpartition("@")[2])) for name in names]
+    summary = prefill_once.summarize(records, cells, {})
+    header = stamp({"tasks": len(records), "scoring": plan["settings"]["scoring"], "tasks_file": str(subset),
+                    "tasks_sha256": hashlib.sha256(subset.read_bytes()).hexdigest(), "harness": "prefill_once",
+                    "plan": plan["name"], "registered_at": registration_commits(plan["file"]),
+                    "pieces": [run.name for run in runs], "tasks_registered": len(Path(group["tasks"]).read_text().splitlines()),
+                    "complete": True})  # the analysis of every task run so far (tasks_registered: the plan's)
+    (out_dir / "sweep.json").write_text(json.dumps({**header, "results": summary}, indent=2) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvpop_eval.quality.plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -125,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             subset.write_text("".join(lines[first - 1 : first - 1 + count]))
             analysis.main(["--runs", *map(str, runs), "--tasks", str(subset), "--out-dir", str(args.out_dir / group["name"]),
                            "--detail", ",".join(group.get("detail", []))])
+            write_sweep(plan, group, runs, subset, args.out_dir / group["name"])
     return 0
 
 

@@ -17,7 +17,7 @@ CONFIG ?= auto
 PID_FILE := run/tritonserver.pid
 
 .PHONY: help setup model export serve serve-bg stop test test-unit test-e2e clean reference-model retrieval-heads eval-reference \
-	train-scorer eval-real eval-prose eval-multiturn tasks eval-sweep kvpress-env eval-kvpress speed speed-quick speed-real bench-service bench-sessions bench-steady bench-profile bench-overhead bench-openai loadtest \
+	train-scorer eval-real eval-diverse-validation eval-diverse-test eval-multiturn tasks eval-sweep kvpress-env eval-kvpress speed speed-quick speed-real bench-service bench-sessions bench-steady bench-profile bench-overhead bench-openai loadtest \
 	system-deps image image-lb test-cluster load-time test-faults test-fuzz stress soak docs-results publish-results
 
 REFERENCE := models/reference
@@ -182,7 +182,7 @@ REAL_QUALITY_DIR ?= $(RESULTS_OUT)
 REAL_POLICIES ?=# comma-separated, e.g. kvpop:mlstm,streaming; empty: every policy
 REAL_COMPRESSIONS ?=# comma-separated, e.g. 0.75,0.88,0.94; empty: the sweep's default
 comma := ,
-REAL_TASK_SET ?= real# names the result folders; any other set also prefixes its task files (eval-prose: prose)
+REAL_TASK_SET ?= real# names the result folders; any other set also prefixes its task files
 
 eval-real: setup  ## [evaluate] English RULER-like tasks (REAL_TASK_NUM per length, REAL_TASK_LENGTHS) x every policy on the exported model: build/results/quality-real-<tokens>/
 	@test -f model_repository/kvpop_engine/1/model_spec.json || { echo "no exported model: run 'make export' first"; exit 1; }
@@ -195,16 +195,6 @@ eval-real: setup  ## [evaluate] English RULER-like tasks (REAL_TASK_NUM per leng
 			--max-tokens $(REAL_MAX_TOKENS) --window $(REAL_KV_WINDOW) $(if $(REAL_POLICIES),--policies $(REAL_POLICIES)) \
 			--out-dir $(REAL_QUALITY_DIR)/quality-$(REAL_TASK_SET)-$$tokens || exit 1; \
 	done
-
-PROSE_POLICIES ?= kvpop:mlstm,kvpop:mlstm+noquery,h2o,tova,streaming
-PROSE_COMPRESSIONS ?= 0.75,0.88,0.94
-# The published prose tables' tasks: 48 at 2,048 tokens (set prose48), 24 at 4,096 (set prose); the default alone also on 288
-# at 2,048 (set prose288, docs/QUALITY.md names the command).
-eval-prose: setup  ## [evaluate] the prose families (facts inside paragraphs, two facts asked together), every policy: build/results/quality-prose48-2048/, quality-prose-4096/
-	$(MAKE) eval-real REAL_TASK_SET=prose48 REAL_TASK_FAMILIES=prose_passkey,prose_multikey,prose_multi REAL_TASK_LENGTHS=2048 \
-		REAL_TASK_NUM=48 REAL_POLICIES=$(PROSE_POLICIES) REAL_COMPRESSIONS=$(PROSE_COMPRESSIONS)
-	$(MAKE) eval-real REAL_TASK_SET=prose REAL_TASK_FAMILIES=prose_passkey,prose_multikey,prose_multi REAL_TASK_LENGTHS=4096 \
-		REAL_TASK_NUM=24 REAL_POLICIES=$(PROSE_POLICIES) REAL_COMPRESSIONS=$(PROSE_COMPRESSIONS)
 
 REAL_KVPRESS_PRESSES ?= snapkv,expected_attention
 REAL_KVPRESS_COMPRESSIONS ?= 0.75,0.88,0.94
@@ -373,7 +363,7 @@ test-cluster: setup system-deps  ## [test] rehearsal: 3 real tritonservers behin
 
 # Committed results: docs/results/<name>.json, rendered into README.md and docs/*.md between
 # `<!-- results:NAME -->` markers. Benchmarks write build/results/<name>/; publishing one is this explicit step.
-RESULTS ?=# names to publish (default: every known result), e.g. RESULTS=quality-real-2048
+RESULTS ?=# names to publish (default: every known result), e.g. RESULTS=diverse-test-2048
 docs-results: setup  ## [evaluate] re-render the result tables of README.md and docs/ from docs/results/*.json
 	$(PY) -m kvpop_eval.docs_results render
 

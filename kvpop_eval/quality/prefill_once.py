@@ -205,7 +205,7 @@ def sweep_cells(policies: list[str], compressions: tuple[float, ...]) -> list[Ce
 
 def run(engine: Engine, lines: list[str], tasks_file: str, out_dir: Path, policies: list[str],
         compressions: tuple[float, ...], max_tokens: int, scoring: str, sinks: int, window: int,
-        kvpop_options: dict | None = None) -> list[dict]:
+        kvpop_options: dict | None = None, run_tasks: bool = True) -> list[dict]:
     """Every task (a line of `lines`) not yet in out_dir/tasks.jsonl, then the sweep over the tasks done: its digest
     is of their lines, so a piece cut short still joins the lines before it (`quality --concat`)."""
     tasks = [json.loads(line) for line in lines]
@@ -226,7 +226,7 @@ def run(engine: Engine, lines: list[str], tasks_file: str, out_dir: Path, polici
         raise ValueError(f"{done_file} holds other cells ({sorted(records[0]['cells'])}); use a new --out-dir")
     is_correct = task_judge(scoring)
     with tqdm(total=len(tasks), initial=len(records), desc="tasks", unit="task", file=sys.stderr, dynamic_ncols=True) as progress:
-        for task in tasks[len(records):]:
+        for task in tasks[len(records):] if run_tasks else ():
             record = run_task(engine, task, cells, configs, max_tokens, is_correct, accumulate, query_window)
             with done_file.open("a") as handle:
                 handle.write(json.dumps(record) + "\n")
@@ -271,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=16, help="cells decoded in one engine batch")
     parser.add_argument("--prefill-chunk", type=int, default=256)
     parser.add_argument("--out-dir", type=Path, required=True)
+    parser.add_argument("--summarize", action="store_true", help="run no task: the sweep of the tasks already in --out-dir")
     args = parser.parse_args(argv)
 
     lines = args.tasks.read_text().splitlines(keepends=True)
@@ -281,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     compressions = tuple(float(ratio) for ratio in args.compressions.split(","))
     engine = build_engine(args.model, max_batch_size=args.batch_size, prefill_chunk=args.prefill_chunk)
     run(engine, lines[first - 1 : last], str(args.tasks), args.out_dir, policies, compressions,
-        args.max_tokens, args.scoring, args.sinks, args.window)
+        args.max_tokens, args.scoring, args.sinks, args.window, run_tasks=not args.summarize)
     print(f"wrote {args.out_dir}/tasks.jsonl, sweep.json, sweep.md, accuracy_vs_compression.png")
     return 0
 

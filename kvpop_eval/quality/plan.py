@@ -104,10 +104,12 @@ def finished_runs(plan: dict, tasks_path: str, policies: tuple[str, ...] | None 
 
 
 def write_sweep(plan: dict, group: dict, runs: list[Path], subset: Path, out_dir: Path) -> None:
-    """The group's tasks as one sweep (harness.sweep's format, the cells every task ran), naming the plan and the
+    """The group's tasks as one sweep (harness.sweep's format: the full cache and the group's policies), naming the plan and the
     commit it was registered at: what `make publish-results` takes into docs/results/."""
     records = analysis.load_records(runs, subset)
-    names = [name for name in records[0]["cells"] if all(name in record["cells"] for record in records)]
+    wanted = ("full", *group["policies"])
+    names = [name for name in records[0]["cells"]
+             if name.rpartition("@")[0] in wanted and all(name in record["cells"] for record in records)]
     cells = [prefill_once.Cell(name.rpartition("@")[0], float(name.rpartition("@")[2])) for name in names]
     summary = prefill_once.summarize(records, cells, {})
     header = stamp({"tasks": len(records), "scoring": plan["settings"]["scoring"], "tasks_file": str(subset),

@@ -175,8 +175,10 @@ def accuracy_cell(row: dict, full: dict, with_interval: bool = True) -> str:
 
 def sweep_table(name: str, sweep: dict, manifest: dict) -> str:
     full = full_row(sweep)
+    registered = (f" ({sweep['tasks']} of the {sweep['tasks_registered']} the plan registered, pieces {', '.join(sweep['pieces'])}; "
+                  f"registered at `{sweep['registered_at'][0][:12]}`)" if "tasks_registered" in sweep else "")
     lines = [
-        f"{sweep['tasks']} tasks, `{sweep.get('scoring', 'exact')}` scoring, tasks file `{sweep.get('tasks_file', '?')}`.",
+        f"{sweep['tasks']} tasks{registered}, `{sweep.get('scoring', 'exact')}` scoring, tasks file `{sweep.get('tasks_file', '?')}`.",
         "",
         "| policy | compression | accuracy [95% Wilson] | of full [95% paired bootstrap] | retained [95% Wilson] | +/- vs full | mean budget (slots) | peak KV / sequence |",
         "|---|---|---|---|---|---|---|---|",
@@ -252,18 +254,20 @@ def headline_table(results: dict[str, dict | None], manifest: dict) -> str:
             lines.append(f"| {SPECS[name].title}: not published yet | | | | | | `{SPECS[name].command}` |")
             continue
         full = full_row(sweep)
+        title = SPECS[name].title + (f", {sweep['tasks']} of {sweep['tasks_registered']} registered tasks run"
+                                     if "tasks_registered" in sweep else "")  # a pre-registered plan, partly run
         by_policy: dict[str, dict[float, dict]] = {}
         for row in sweep_rows(sweep):
             by_policy.setdefault(row["policy"], {})[row["compression"]] = row
         for policy in [policy for policy in SPECS[name].headline_policies if policy in by_policy]:
             cells = [accuracy_cell(by_policy[policy][c], full) if c in by_policy[policy] else "" for c in COMPRESSIONS]
-            lines.append(f"| {SPECS[name].title}: accuracy of `{policy}` | {accuracy_cell(full, full)} | "
+            lines.append(f"| {title}: accuracy of `{policy}` | {accuracy_cell(full, full)} | "
                          + " | ".join(cells) + f" | `{SPECS[name].command}` |")
         if not SPECS[name].headline_memory:
             continue
         kvpop = by_policy.get(next((policy for policy in HEADLINE_POLICIES if policy in by_policy), ""), {})
         memory = [mib(kvpop[c]["max_peak_kv_bytes"]) if c in kvpop else "" for c in COMPRESSIONS]
-        lines.append(f"| {SPECS[name].title}: KV memory per sequence (peak) | {mib(full['max_peak_kv_bytes'])} | "
+        lines.append(f"| {title}: KV memory per sequence (peak) | {mib(full['max_peak_kv_bytes'])} | "
                      + " | ".join(memory) + f" | `{SPECS[name].command}` |")
     chats = results.get("multiturn")
     if chats is not None:  # one budget for a whole chat, at 88% only
@@ -283,8 +287,8 @@ def headline_table(results: dict[str, dict | None], manifest: dict) -> str:
                          f"{speed} | | `{spec.command}` |")
     shown = (*HEADLINE_QUALITY, "multiturn", "service-reference")
     commits = sorted({manifest.get(name, {}).get("commit", "unknown")[:12] for name in shown if results.get(name)})
-    legend = ("Cells: accuracy [95% Wilson interval], fraction of the full cache's accuracy, tasks only this "
-              "policy / only the full cache answers. Service workloads: (a) 2,048-token prompts, (c) many users in a "
+    legend = ("Cells: accuracy [95% Wilson interval], fraction of the full cache's accuracy [95% paired bootstrap], tasks only "
+              "this policy / only the full cache answers. Service workloads: (a) 2,048-token prompts, (c) many users in a "
               "KV pool of 4 full sequences, (d) short chat prompts; ranges over 1-8 clients. "
               f"Produced at commit {', '.join(f'`{c}`' for c in commits) or '(none yet)'}; "
               "tables with every row: [docs/QUALITY.md](docs/QUALITY.md), [docs/PERFORMANCE.md](docs/PERFORMANCE.md).")

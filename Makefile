@@ -17,7 +17,7 @@ CONFIG ?= auto
 PID_FILE := run/tritonserver.pid
 
 .PHONY: help setup model export serve serve-bg stop test test-unit test-e2e clean reference-model retrieval-heads eval-reference \
-	train-scorer eval-real eval-prose eval-multiturn tasks eval-sweep kvpress-env eval-kvpress speed speed-quick speed-real bench-service bench-service-real bench-peers bench-step-split llamacpp-server gpu-check bench-sessions bench-steady bench-profile bench-overhead bench-openai loadtest \
+	train-scorer eval-real eval-diverse-validation eval-diverse-test eval-multiturn tasks eval-sweep kvpress-env eval-kvpress speed speed-quick speed-real bench-service bench-service-real bench-peers bench-step-split llamacpp-server gpu-check bench-sessions bench-steady bench-profile bench-overhead bench-openai loadtest \
 	system-deps image image-lb test-cluster load-time test-faults test-fuzz stress soak docs-results publish-results
 
 REFERENCE := models/reference
@@ -182,7 +182,7 @@ REAL_QUALITY_DIR ?= $(RESULTS_OUT)
 REAL_POLICIES ?=# comma-separated, e.g. kvpop:mlstm,streaming; empty: every policy
 REAL_COMPRESSIONS ?=# comma-separated, e.g. 0.75,0.88,0.94; empty: the sweep's default
 comma := ,
-REAL_TASK_SET ?= real# names the result folders; any other set also prefixes its task files (eval-prose: prose)
+REAL_TASK_SET ?= real# names the result folders; any other set also prefixes its task files
 
 eval-real: setup  ## [evaluate] English RULER-like tasks (REAL_TASK_NUM per length, REAL_TASK_LENGTHS) x every policy on the exported model: build/results/quality-real-<tokens>/
 	@test -f model_repository/kvpop_engine/1/model_spec.json || { echo "no exported model: run 'make export' first"; exit 1; }
@@ -196,16 +196,6 @@ eval-real: setup  ## [evaluate] English RULER-like tasks (REAL_TASK_NUM per leng
 			--out-dir $(REAL_QUALITY_DIR)/quality-$(REAL_TASK_SET)-$$tokens || exit 1; \
 	done
 
-PROSE_POLICIES ?= kvpop:mlstm,kvpop:mlstm+noquery,h2o,tova,streaming
-PROSE_COMPRESSIONS ?= 0.75,0.88,0.94
-# The published prose tables' tasks: 48 at 2,048 tokens (set prose48), 24 at 4,096 (set prose); the default alone also on 288
-# at 2,048 (set prose288, docs/QUALITY.md names the command).
-eval-prose: setup  ## [evaluate] the prose families (facts inside paragraphs, two facts asked together), every policy: build/results/quality-prose48-2048/, quality-prose-4096/
-	$(MAKE) eval-real REAL_TASK_SET=prose48 REAL_TASK_FAMILIES=prose_passkey,prose_multikey,prose_multi REAL_TASK_LENGTHS=2048 \
-		REAL_TASK_NUM=48 REAL_POLICIES=$(PROSE_POLICIES) REAL_COMPRESSIONS=$(PROSE_COMPRESSIONS)
-	$(MAKE) eval-real REAL_TASK_SET=prose REAL_TASK_FAMILIES=prose_passkey,prose_multikey,prose_multi REAL_TASK_LENGTHS=4096 \
-		REAL_TASK_NUM=24 REAL_POLICIES=$(PROSE_POLICIES) REAL_COMPRESSIONS=$(PROSE_COMPRESSIONS)
-
 REAL_KVPRESS_PRESSES ?= snapkv,expected_attention
 REAL_KVPRESS_COMPRESSIONS ?= 0.75,0.88,0.94
 eval-real-kvpress: setup kvpress-env  ## [evaluate] kvpress presses (REAL_KVPRESS_PRESSES, the prompt with its question pruned once) on a finished eval-real run's tasks (same variables), merged into its sweep
@@ -218,6 +208,28 @@ eval-real-kvpress: setup kvpress-env  ## [evaluate] kvpress presses (REAL_KVPRES
 			--scoring contains --out $$dir/kvpress.json && \
 		$(PY) -m kvpop_eval.kvpress_compare merge --kvpress $$dir/kvpress.json --sweep-dir $$dir || exit 1; \
 	done
+
+# The diverse suite (kvpop_eval/diverse_tasks.py: seven text sources, two held out of everything but test) through the
+# prefill-once harness. Validation: where design choices are made. Test: the pre-registered plan
+# (docs/results/preregistration-diverse.json), run piece by piece (DIVERSE_PIECE), resumable, analysed as registered.
+DIVERSE_PLAN ?= docs/results/preregistration-diverse.json
+DIVERSE_VALIDATION_NUM ?= 25
+DIVERSE_VALIDATION_POLICIES ?= kvpop:mlstm
+DIVERSE_PIECE ?= 1
+eval-diverse-validation: setup  ## [evaluate] the diverse suite's validation split, full vs DIVERSE_VALIDATION_POLICIES at 75/88/94%: build/results/diverse-validation/
+	@test -f model_repository/kvpop_engine/1/model_spec.json || { echo "no exported model: run 'make export' first"; exit 1; }
+	$(PY) -m kvpop_eval.diverse_tasks write --model $(REAL_MODEL) --split validation --context-tokens 2048 \
+		--num $(DIVERSE_VALIDATION_NUM) --out build/diverse/validation-2048.jsonl
+	$(PY) -m kvpop_eval.quality.prefill_once --model model_repository/kvpop_engine/1 --tasks build/diverse/validation-2048.jsonl \
+		--policies $(DIVERSE_VALIDATION_POLICIES) --scoring fact --out-dir $(RESULTS_OUT)/diverse-validation
+	$(PY) -m kvpop_eval.quality.analysis --runs $(RESULTS_OUT)/diverse-validation --tasks build/diverse/validation-2048.jsonl \
+		--out-dir $(RESULTS_OUT)/diverse-validation --detail kvpop:mlstm@0.88
+
+eval-diverse-test: setup  ## [evaluate] piece DIVERSE_PIECE of the pre-registered test plan (resumes), then the plan's analysis of every task run: build/results/diverse-test/
+	@test -f model_repository/kvpop_engine/1/model_spec.json || { echo "no exported model: run 'make export' first"; exit 1; }
+	$(PY) -m kvpop_eval.quality.plan tasks --plan $(DIVERSE_PLAN)
+	$(PY) -m kvpop_eval.quality.plan run --plan $(DIVERSE_PLAN) --piece $(DIVERSE_PIECE)
+	$(PY) -m kvpop_eval.quality.plan analyse --plan $(DIVERSE_PLAN) --out-dir $(RESULTS_OUT)/diverse-test/analysis
 
 MULTITURN_SPLIT ?= test
 MULTITURN_NUM ?= 24
@@ -393,7 +405,7 @@ test-cluster: setup system-deps  ## [test] rehearsal: 3 real tritonservers behin
 
 # Committed results: docs/results/<name>.json, rendered into README.md and docs/*.md between
 # `<!-- results:NAME -->` markers. Benchmarks write build/results/<name>/; publishing one is this explicit step.
-RESULTS ?=# names to publish (default: every known result), e.g. RESULTS=quality-real-2048
+RESULTS ?=# names to publish (default: every known result), e.g. RESULTS=diverse-test-2048
 docs-results: setup  ## [evaluate] re-render the result tables of README.md and docs/ from docs/results/*.json
 	$(PY) -m kvpop_eval.docs_results render
 

@@ -54,6 +54,7 @@ class CacheConfig:
     scorer: str = "accumulated_attention"  # kvpop only: a built-in scorer or one of LEARNED_SCORER_KINDS
     span_pooling: str | None = None  # kvpop only: how prompt tokens are ranked by span; None: the scorer's own
     query_window: int | None = None  # kvpop only: the prompt's last queries that pick slots; None: the policy's default
+    fill: str | None = None  # kvpop only: what ranks the slots the question does not pick ("scorer", "recency"); None: scorer
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -88,8 +89,8 @@ class CacheConfig:
     def build_policy(self, learned_scorers: dict | None = None):
         """The policy instance; a learned scorer resolves to the engine's loaded network (`learned_scorers`,
         by kind), whose protected window (the one it was trained for) replaces `window`."""
-        kvpop_options = {name: value for name, value in (("span_pooling", self.span_pooling), ("query_window", self.query_window))
-                         if value is not None}
+        kvpop_options = {name: value for name, value in (("span_pooling", self.span_pooling), ("query_window", self.query_window),
+                                                         ("fill", self.fill)) if value is not None}
         return make_policy(self.policy, learned_scorers or {}, sinks=self.sinks, window=self.window, seed=self.seed,
                            scorer=self.scorer, **kvpop_options)
 

@@ -22,6 +22,7 @@ from typing import Callable, Protocol
 
 from kvpop.cache.manager import CacheManager, KVReservations
 from kvpop.cache.prefix_cache import PrefixCache
+from kvpop.cache.slot_cache import SlotCache
 from kvpop.decoder import DecoderStep
 from kvpop.engine.config import EngineConfig
 from kvpop.engine.detokenizer import IncrementalDetokenizer
@@ -70,6 +71,7 @@ class Engine:
         self._cancelled: set[str] = set()
         self._finished: dict[str, GenerationResult] = {}
         self._request_ids: set[str] = set()  # every id not yet released by `result`
+        self._prefilled: dict[str, tuple[SlotCache, int]] = {}  # waiting ids whose prompt is in a cache (add_prefilled)
         self._running: dict[str, Sequence] = {}  # step thread only: prompt in, decoding
         self._prefilling: dict[str, Sequence] = {}  # step thread only: admitted, prompt partly fed (FIFO)
 
@@ -86,12 +88,27 @@ class Engine:
 
     def add_request(self, request: GenerationRequest) -> None:
         """Queue a request; it joins the running batch at the next step. Raises ValueError if invalid."""
+        self._queue(request, None)
+
+    def add_prefilled(self, request: GenerationRequest, cache: "SlotCache", first_token: int) -> None:
+        """Queue a request whose whole prompt is already in `cache` (a cache of the request's configuration,
+        the engine's from now on) and whose first token was sampled from the prompt's last logits: it joins
+        the decoding batch at the next step. A prompt prefilled once and compressed several ways decodes its
+        branches so (kvpop_eval.quality.prefill_once)."""
+        if cache.tokens_seen != len(request.prompt_ids):
+            raise ValueError(f"request {request.request_id!r}: its cache has seen {cache.tokens_seen} tokens, "
+                             f"its prompt has {len(request.prompt_ids)}")
+        self._queue(request, (cache, first_token))
+
+    def _queue(self, request: GenerationRequest, prefilled: "tuple[SlotCache, int] | None") -> None:
         self._check(request)
         with self._lock:
             if request.request_id in self._request_ids:
                 raise ValueError(f"request id {request.request_id!r} is already in use")
             self._request_ids.add(request.request_id)
             self._waiting.append(request)
+            if prefilled is not None:
+                self._prefilled[request.request_id] = prefilled
 
     def _check(self, request: GenerationRequest) -> None:
         """ValueError unless this engine can run `request` (tokens, length, scorer, stops, session)."""
@@ -247,7 +264,9 @@ class Engine:
     def _new_sequence(self, request: GenerationRequest) -> Sequence:
         """An admitted request's sequence with the cache the manager gives it (empty, a session's
         saved state or a warm prefix's); the rest of its prompt is fed by `_decode_and_prefill`."""
-        allocation = self.cache_manager.allocate(request)
+        with self._lock:
+            prefilled = self._prefilled.pop(request.request_id, None)
+        allocation = self.cache_manager.allocate(request) if prefilled is None else self.cache_manager.adopt(request, prefilled[0])
         cache = allocation.cache
         prompt_left = len(request.prompt_ids) - allocation.tokens_reused
         detokenizer = IncrementalDetokenizer(self.tokenizer, request.sampling.stop) if self.tokenizer is not None else None
@@ -256,6 +275,7 @@ class Engine:
             chunk_size=self.scheduler.chunk_size(cache.policy, cache.budget, prompt_left),
             prefilled=allocation.tokens_reused,
             query_window=self.scheduler.query_window(cache.policy, cache.budget, prompt_left, cache.length),
+            pending_token=NO_TOKEN if prefilled is None else prefilled[1],
         )
 
     def _decode_and_prefill(self, decoding: list[Sequence]) -> list[TokenEvent]:
@@ -334,6 +354,7 @@ class Engine:
 
     def _finish_waiting(self, request: GenerationRequest) -> TokenEvent:
         """A request cancelled before it started (called under the lock)."""
+        self._prefilled.pop(request.request_id, None)
         self._finished[request.request_id] = GenerationResult(
             request.request_id, request.prompt_ids, [], FinishReason.CANCELLED, budget=0, peak_kv_bytes=0,
             tokens_evicted=0, compression=0.0, policy=request.cache.policy,

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deploy.nodes import lb
+from export.repository import assemble_model_repository
 from kvpop.serving.process import TritonServer, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -78,13 +79,6 @@ class Replica:
         text = urllib.request.urlopen(self.server.metrics_url, timeout=5).read().decode()
         return int(sum(float(value) for value in re.findall(
             r'^nv_inference_request_success\{model="kvpop_service",version="1"\} (\S+)$', text, re.M)))
-
-
-def build_model_repository(root: Path, exported: Path) -> Path:
-    shutil.copytree(REPO_ROOT / "model_repository", root, dirs_exist_ok=True,
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(exported, root / "kvpop_engine" / "1", dirs_exist_ok=True)
-    return root
 
 
 def export_tiny_model(workdir: Path) -> Path:
@@ -152,7 +146,7 @@ def read_access_log(path: Path) -> list[LogLine]:
 class Cluster:
     def __init__(self, workdir: Path, exported: Path, weights: list[int], interval_s: float):
         self.workdir = workdir
-        repository = build_model_repository(workdir / "model_repository", exported)
+        repository = assemble_model_repository(workdir / "model_repository", exported)
         self.replicas = [
             Replica(f"replica{index}", weight, TritonServer(
                 repository, free_port(), free_port(), free_port(), "127.0.0.1", "cpu",

@@ -1,0 +1,140 @@
+"""Triton's Python backend stubs: which belong to a server, which outlived theirs, their shared memory.
+
+A stub (`triton_python_backend_stub <model.py> <shm region> ...`) is a child of tritonserver in the
+server's process group. When the server dies without unloading its models (SIGKILL, a crash, the
+supervisor killed with it), the stub is meant to notice and exit, but one that was answering a request
+waits forever on the dead server's shared-memory queue: measured, an orphaned `kvpop_service` stub
+lived on for 26 minutes holding 62 MB and its /dev/shm region. So
+- the server side finds a dead server's stubs by its process group (which outlives the server) and
+  kills them before it starts a new server (`TritonServer.start`, `stop`), and also kills stubs of its
+  model repository whose server is gone (a server killed together with its supervisor);
+- the stub side (`exit_with_server`, started by each model) kills its own stub a few seconds after
+  its server is gone, when the stub's own exit did not happen, and removes its region.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+STUB_BINARY = "triton_python_backend_stub"
+SERVER_BINARY = "tritonserver"
+SHM_DIR = Path("/dev/shm")
+
+
+@dataclass(frozen=True)
+class StubProcess:
+    pid: int
+    model: str  # e.g. kvpop_engine (from the stub's model.py path)
+    shm_region: str  # its shared-memory region name in /dev/shm
+    model_file: str = ""  # the model.py it runs: <repository>/<model>/<version>/model.py
+
+    @classmethod
+    def from_process(cls, process: psutil.Process) -> "StubProcess | None":
+        try:
+            command = process.cmdline()
+        except psutil.Error:
+            return None
+        if not command or not command[0].endswith(STUB_BINARY) or len(command) < 3:
+            return None
+        return cls(process.pid, Path(command[1]).parent.parent.name, command[2], command[1])
+
+    def is_alive(self) -> bool:
+        try:
+            return psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+
+def _all_stubs() -> list[tuple[StubProcess, psutil.Process]]:
+    found = []
+    for process in psutil.process_iter():
+        stub = StubProcess.from_process(process)
+        if stub is not None:
+            found.append((stub, process))
+    return found
+
+
+def stub_processes(server_pid: int) -> list[StubProcess]:
+    """The stubs of the server `server_pid` (the leader of its process group), alive or not yet reaped;
+    found by the group, so also once the server itself is gone."""
+    stubs = []
+    for stub, _ in _all_stubs():
+        try:
+            if os.getpgid(stub.pid) == server_pid:
+                stubs.append(stub)
+        except ProcessLookupError:
+            pass
+    return stubs
+
+
+def orphaned_stubs(model_repository: Path) -> list[StubProcess]:
+    """Stubs running a model of `model_repository` whose parent is no tritonserver any more."""
+    repository = Path(model_repository).resolve()
+    orphans = []
+    for stub, process in _all_stubs():
+        try:
+            parent = process.parent()
+            served = parent is not None and parent.name() == SERVER_BINARY and parent.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            served = False
+        if not served and Path(stub.model_file).resolve().is_relative_to(repository):
+            orphans.append(stub)
+    return orphans
+
+
+def kill_stubs(stubs: list[StubProcess]) -> None:
+    """SIGKILL `stubs` (a stub that lost its server ignores SIGTERM) and remove their /dev/shm regions."""
+    for stub in stubs:
+        try:
+            os.kill(stub.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for stub in stubs:
+        try:
+            psutil.Process(stub.pid).wait(5)
+        except (psutil.NoSuchProcess, psutil.TimeoutExpired):
+            pass
+    remove_shm_regions([stub.shm_region for stub in stubs])
+
+
+def remove_shm_regions(regions: list[str]) -> None:
+    """Remove Python-backend shared-memory regions (a stub that did not exit cleanly leaves its region behind)."""
+    for region in regions:
+        for path in SHM_DIR.glob(f"{region}*"):
+            path.unlink(missing_ok=True)
+
+
+def _server_gone(server_pid: int) -> bool:
+    if os.getppid() != server_pid:
+        return True  # re-parented: the server exited
+    try:
+        return psutil.Process(server_pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def exit_with_server(grace_seconds: float = 3.0, poll_seconds: float = 0.5) -> threading.Thread | None:
+    """Inside a stub (a model's `initialize`): once its tritonserver is gone, give the stub's own exit
+    `grace_seconds`, then remove its shared-memory region and SIGKILL it. None outside a stub."""
+    this = StubProcess.from_process(psutil.Process())
+    if this is None:
+        return None
+    server_pid = os.getppid()
+
+    def watch() -> None:
+        while not _server_gone(server_pid):
+            time.sleep(poll_seconds)
+        time.sleep(grace_seconds)
+        remove_shm_regions([this.shm_region])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    thread = threading.Thread(target=watch, name="kvpop-exit-with-server", daemon=True)
+    thread.start()
+    return thread

@@ -187,6 +187,20 @@ def test_compose_files_parse_and_expose_the_health_port():
     assert "8003:8003" in kvpop["ports"]
 
 
+def test_every_deployment_keeps_session_state_on_a_volume_outside_the_model_repository():
+    dockerfile = (DEPLOY / "docker" / "Dockerfile").read_text()
+    state = re.search(r"^ENV KVPOP_STATE_DIR=(\S+)$", dockerfile, re.M).group(1)
+    assert not state.startswith("/models")
+    pod = kubernetes_documents()["Deployment/kvpop-serve"]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert {item["name"]: item.get("value") for item in container["env"]}["KVPOP_STATE_DIR"] == state
+    [mount] = [mount for mount in container["volumeMounts"] if mount["mountPath"] == state]
+    assert mount["name"] in {volume["name"] for volume in pod["volumes"]}
+    kvpop = yaml.safe_load((DEPLOY / "docker" / "docker-compose.yml").read_text())["services"]["kvpop"]
+    assert any(volume.endswith(f":{state}") for volume in kvpop["volumes"])
+    assert f':{state}"' in (DEPLOY / "nodes" / "run-node.sh").read_text()
+
+
 def test_images_are_pinned():
     dockerfile = (DEPLOY / "docker" / "Dockerfile").read_text()
     assert "ARG TRITON_IMAGE=nvcr.io/nvidia/tritonserver:24.10-py3" in dockerfile

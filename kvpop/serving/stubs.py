@@ -8,15 +8,18 @@ lived on for 26 minutes holding 62 MB and its /dev/shm region. So
 - the server side finds a dead server's stubs by its process group (which outlives the server) and
   kills them before it starts a new server (`TritonServer.start`, `stop`), and also kills stubs of its
   model repository whose server is gone (a server killed together with its supervisor);
-- the stub side (`exit_with_server`, started by each model) kills its own stub a few seconds after
-  its server is gone, when the stub's own exit did not happen, and removes its region.
+- the stub side (`exit_with_server`, started by each model) runs a watcher process beside each stub
+  that kills it a few seconds after its server is gone, when the stub's own exit did not happen, and
+  removes its region.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
-import threading
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,30 +114,39 @@ def remove_shm_regions(regions: list[str]) -> None:
             path.unlink(missing_ok=True)
 
 
-def _server_gone(server_pid: int) -> bool:
-    if os.getppid() != server_pid:
-        return True  # re-parented: the server exited
+def _running(pid: int) -> bool:
     try:
-        return psutil.Process(server_pid).status() == psutil.STATUS_ZOMBIE
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
-        return True
+        return False
 
 
-def exit_with_server(grace_seconds: float = 3.0, poll_seconds: float = 0.5) -> threading.Thread | None:
-    """Inside a stub (a model's `initialize`): once its tritonserver is gone, give the stub's own exit
-    `grace_seconds`, then remove its shared-memory region and SIGKILL it. None outside a stub."""
+def exit_with_server() -> subprocess.Popen | None:
+    """Inside a stub (a model's `initialize`): start its watcher, a small process that SIGKILLs the stub
+    and removes its region a few seconds after the server is gone, if the stub has not exited by then.
+    A process, not a thread: a stub whose server died mid-request can hang holding the GIL (measured:
+    `Metric.set` waiting forever on the dead server's queue), where no thread of its own would ever run
+    again. None outside a stub."""
     this = StubProcess.from_process(psutil.Process())
     if this is None:
         return None
-    server_pid = os.getppid()
+    python = shutil.which("python3") or sys.executable
+    return subprocess.Popen([python, "-m", "kvpop.serving.stubs", str(os.getppid()), str(this.pid), this.shm_region],
+                            stdin=subprocess.DEVNULL, close_fds=True)
 
-    def watch() -> None:
-        while not _server_gone(server_pid):
-            time.sleep(poll_seconds)
-        time.sleep(grace_seconds)
-        remove_shm_regions([this.shm_region])
-        os.kill(os.getpid(), signal.SIGKILL)
 
-    thread = threading.Thread(target=watch, name="kvpop-exit-with-server", daemon=True)
-    thread.start()
-    return thread
+def watch(server_pid: int, stub_pid: int, region: str, grace_seconds: float = 3.0, poll_seconds: float = 0.5) -> None:
+    """The watcher's loop: returns when the stub exits; once the server is gone, gives the stub's own
+    exit `grace_seconds`, then kills it and removes its region."""
+    while _running(stub_pid):
+        if not _running(server_pid):
+            time.sleep(grace_seconds)
+            if _running(stub_pid):
+                os.kill(stub_pid, signal.SIGKILL)
+            remove_shm_regions([region])
+            return
+        time.sleep(poll_seconds)
+
+
+if __name__ == "__main__":  # the watcher: python -m kvpop.serving.stubs SERVER_PID STUB_PID SHM_REGION
+    watch(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

@@ -91,38 +91,44 @@ def untie_transposes(graph, min_bytes: int = 2**20) -> int:
     return saved
 
 
-def _export(module: torch.nn.Module, inputs: tuple, axes: dict, input_names, output_names, onnx_path: Path) -> Path:
-    """Trace `module` to `onnx_path`, its weights in one external-data file beside it (`<name>.data`)."""
+def _trace(module: torch.nn.Module, inputs: tuple, axes: dict, input_names, output_names, scratch_dir: Path):
+    """`module` traced to ONNX, tied transposes restored; -> the onnx.ModelProto, weights in memory."""
     import onnx
 
-    onnx_path = Path(onnx_path)
-    onnx_path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=onnx_path.parent) as scratch:  # a model past 2 GB comes in many files
-        traced = Path(scratch) / onnx_path.name
+    with tempfile.TemporaryDirectory(dir=scratch_dir) as scratch:  # a model past 2 GB comes in many files
+        traced = Path(scratch) / "traced.onnx"
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             torch.onnx.export(module, inputs, str(traced), dynamo=False, input_names=input_names,
                               output_names=output_names, dynamic_axes=axes, opset_version=OPSET,
                               do_constant_folding=True)
         model = onnx.load(str(traced))
-        untie_transposes(model.graph)
-        onnx.save(model, str(onnx_path), save_as_external_data=True, all_tensors_to_one_file=True,
-                  location=onnx_path.name + ".data")
-    return onnx_path
+    untie_transposes(model.graph)
+    return model
 
 
 def export_decoder_step(causal_lm: torch.nn.Module, onnx_path: Path, dtype: torch.dtype = torch.float32) -> Path:
     """Write the decoder step as ONNX with weights, cache and logits in `dtype` (attention scores and
     softmax stay fp32, as `SlotCacheDecoderStep` computes them). `causal_lm` must already be in `dtype`.
-    Weights go to an external-data file beside it."""
+    Weights go to one external-data file beside it (`<name>.data`)."""
+    import onnx
+
+    onnx_path = Path(onnx_path)
+    onnx_path.parent.mkdir(parents=True, exist_ok=True)
     step = SlotCacheDecoderStep(causal_lm.eval()).eval()
-    return _export(step, example_step_inputs(step, len(step.decoder.layers), dtype=dtype),
-                   _step_axes("", "batch", "tokens", "slots"), STEP_INPUT_NAMES, STEP_OUTPUT_NAMES, onnx_path)
+    model = _trace(step, example_step_inputs(step, len(step.decoder.layers), dtype=dtype),
+                   _step_axes("", "batch", "tokens", "slots"), STEP_INPUT_NAMES, STEP_OUTPUT_NAMES, onnx_path.parent)
+    onnx.save(model, str(onnx_path), save_as_external_data=True, all_tensors_to_one_file=True,
+              location=onnx_path.name + ".data")
+    return onnx_path
 
 
 def export_mixed_step(causal_lm: torch.nn.Module, onnx_path: Path, weights_of: Path, dtype: torch.dtype = torch.float32) -> Path:
     """Write the mixed decode + prompt step (`MixedDecoderStep`) as ONNX whose weights are those of the
     exported step `weights_of` (its external-data file): no second copy on disk. `causal_lm` in `dtype`."""
+    import onnx
+
+    onnx_path = Path(onnx_path)
     step = MixedDecoderStep(causal_lm.eval()).eval()
     layers = len(step.decoder.layers)
     decode = example_step_inputs(step, layers, batch=2, new_tokens=1, slots=5, dtype=dtype)
@@ -130,56 +136,35 @@ def export_mixed_step(causal_lm: torch.nn.Module, onnx_path: Path, weights_of: P
     axes = {**_step_axes("decode_", "decode_batch", None, "decode_slots"),
             **_step_axes("prompt_", "prompt_batch", "prompt_tokens", "prompt_slots")}
     names = set(MIXED_INPUT_NAMES) | set(MIXED_OUTPUT_NAMES)
-    _export(step, decode + prompt, {name: dims for name, dims in axes.items() if name in names},
-            MIXED_INPUT_NAMES, MIXED_OUTPUT_NAMES, onnx_path)
-    share_weights(Path(onnx_path), Path(weights_of))
-    return Path(onnx_path)
+    model = _trace(step, decode + prompt, {name: dims for name, dims in axes.items() if name in names},
+                   MIXED_INPUT_NAMES, MIXED_OUTPUT_NAMES, onnx_path.parent)
+    share_weights(model, Path(weights_of))
+    onnx.save(model, str(onnx_path))  # the graph and the few weights the step does not store
+    return onnx_path
 
 
-def share_weights(onnx_path: Path, weights_of: Path) -> int:
-    """Point every external initializer of `onnx_path` whose bytes `weights_of` also stores at that
-    file's copy, keep the few others inline, and delete `onnx_path`'s own data file. Matched by
-    content, not by name (the exporter may name folded weights differently). -> bytes shared."""
+def share_weights(model, weights_of: Path) -> int:
+    """Point every initializer of `model` (weights in memory) whose bytes the exported step `weights_of`
+    stores in its external-data file at that copy; the few others stay inline. Matched by content,
+    not by name (the two exports name folded weights differently). -> bytes shared."""
     import onnx
-
-    def external(initializer) -> dict[str, str]:
-        return {entry.key: entry.value for entry in initializer.external_data}
-
-    def read(directory: Path, info: dict[str, str]) -> bytes:
-        with open(directory / info["location"], "rb") as file:
-            file.seek(int(info.get("offset", 0)))
-            return file.read(int(info["length"]))
 
     source = onnx.load(str(weights_of), load_external_data=False)
     by_content = {}
     for initializer in source.graph.initializer:
         if initializer.data_location == onnx.TensorProto.EXTERNAL:
-            info = external(initializer)
-            by_content[hashlib.sha1(read(weights_of.parent, info)).hexdigest()] = info
-    model = onnx.load(str(onnx_path), load_external_data=False)
-    own_files, shared = set(), 0
+            info = {entry.key: entry.value for entry in initializer.external_data}
+            with open(Path(weights_of).parent / info["location"], "rb") as file:
+                file.seek(int(info.get("offset", 0)))
+                by_content[hashlib.sha1(file.read(int(info["length"]))).hexdigest()] = info
+    shared = 0
     for initializer in model.graph.initializer:
-        if initializer.data_location == onnx.TensorProto.EXTERNAL:
-            info = external(initializer)
-            own_files.add(info["location"])
-            data = read(onnx_path.parent, info)
-        else:
-            data = initializer.raw_data
-        match = by_content.get(hashlib.sha1(data).hexdigest()) if data else None
+        match = by_content.get(hashlib.sha1(initializer.raw_data).hexdigest()) if initializer.raw_data else None
         if match is None:  # not among the step's weights (small constants): kept in the graph file
-            if initializer.data_location == onnx.TensorProto.EXTERNAL:
-                del initializer.external_data[:]
-                initializer.data_location = onnx.TensorProto.DEFAULT
-                initializer.raw_data = data
             continue
+        shared += len(initializer.raw_data)
         initializer.ClearField("raw_data")
-        del initializer.external_data[:]
         initializer.data_location = onnx.TensorProto.EXTERNAL
         for key, value in match.items():
             initializer.external_data.add(key=key, value=value)
-        shared += len(data)
-    onnx.save(model, str(onnx_path))
-    for name in own_files:
-        (onnx_path.parent / name).unlink(missing_ok=True)
     return shared
-

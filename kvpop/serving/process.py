@@ -17,12 +17,14 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from kvpop.serving.drain import DRAIN_FILE_ENV, DrainSignal
 from kvpop.serving.state_dir import STATE_DIR_ENV
 from kvpop.serving.stubs import StubProcess, kill_stubs, orphaned_stubs, remove_shm_regions, stub_processes
 
@@ -137,6 +139,7 @@ class TritonServer:
     extra_env: dict[str, str] = field(default_factory=dict)
     state_dir: Path | None = None  # session checkpoints (kvpop.serving.state_dir); None: run/state under the cwd
     die_with_parent: bool = False  # SIGKILLed when the process that started it dies (a supervisor's child)
+    drain_file: Path | None = None  # the models' drain signal (kvpop.serving.drain); None: one beside the log
     process: subprocess.Popen | None = None
     stubs: list[StubProcess] = field(default_factory=list)  # its Python backend stubs, once it was ready
 
@@ -188,6 +191,7 @@ class TritonServer:
         env["KVPOP_ENGINE_GRPC_URL"] = self.grpc_url
         if self.state_dir is not None:
             env[STATE_DIR_ENV] = str(Path(self.state_dir).resolve())
+        env[DRAIN_FILE_ENV] = str(self.drain.path)
         env.update(self.extra_env)
         return env
 
@@ -198,6 +202,7 @@ class TritonServer:
             raise ProcessStartError(f"tritonserver (pid {self.process.pid}) is already running")
         self.stop()
         kill_stubs(orphaned_stubs(self.model_repository))
+        self.drain.clear()
         installation = find_tritonserver()
         prepare_python_backend_stub()
         if self.log_file:
@@ -242,18 +247,30 @@ class TritonServer:
             time.sleep(0.5)
         raise ProcessStartError(f"tritonserver not ready after {timeout:.0f} s")
 
+    @property
+    def drain(self) -> DrainSignal:
+        if self.drain_file is None:
+            scratch = Path(self.log_file).parent if self.log_file else Path(tempfile.gettempdir())
+            self.drain_file = scratch / f"kvpop-drain-{os.getpid()}-{self.http_port}.flag"
+        return DrainSignal(self.drain_file)
+
     def stop(self, timeout: float = 30.0) -> None:
-        """Stop gracefully (SIGINT, Triton's own exit timeout), then make sure nothing is left: no stub
-        process (also after the server died on its own) and none of their /dev/shm regions."""
+        """Stop in order, then make sure nothing is left: no stub process (also after the server died on
+        its own) and none of their /dev/shm regions. In order: the models end whatever they still
+        answer (the drain signal with no grace: UNAVAILABLE, retryable), then SIGINT. Without that a
+        decoupled model streaming an answer never unloads, Triton's exit timeout expires and it dies of
+        SIGSEGV with its stubs still running."""
         if self.process is None:
             return
         if self.process.poll() is None:
+            self.drain.start(0)
             self.process.send_signal(signal.SIGINT)
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        self.drain.clear()
         self.kill_leftovers()
 
     def kill_leftovers(self) -> None:

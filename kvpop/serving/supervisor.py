@@ -29,7 +29,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Sequence
 
-from kvpop.serving.drain import DRAIN_FILE_ENV, DrainSignal
 from kvpop.serving.process import ProcessStartError, TritonServer, die_with_parent
 from kvpop.serving.stubs import StubProcess
 
@@ -134,9 +133,9 @@ class Supervisor:
         drain_file = drain_file or Path(server.log_file or "run/tritonserver.log").with_name(
             f"drain-{server.http_port}.flag")
         drain_file.parent.mkdir(parents=True, exist_ok=True)
-        self.drain = DrainSignal(drain_file)
+        server.drain_file = drain_file
+        self.drain = server.drain
         self.drain.clear()
-        server.extra_env[DRAIN_FILE_ENV] = str(drain_file)
         # Nothing it starts may outlive it, even when it is killed with SIGKILL (a service manager whose
         # stop timeout ran out): every start happens on the thread that runs `run`, the main one.
         for process in (server, *self.children):

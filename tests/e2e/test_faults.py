@@ -230,3 +230,23 @@ def test_the_stubs_of_a_server_killed_mid_request_do_not_outlive_it(tmp_path, ti
                 assert wait_until_gone(stubs, regions) == ([], [])  # nobody cleans up: the stubs exit by themselves
     finally:
         server.stop()
+
+
+def test_a_server_stopped_while_it_streams_answers_stops_in_order(tmp_path, tiny_onnx_model_dir):
+    """What the supervisor does when it gives up or restarts: stop a server whose engine is streaming.
+    The models end those requests with a retryable error and unload, and tritonserver exits 0; it used
+    to wait for the streams until its exit timeout expired, then die of SIGSEGV with its stubs running."""
+    root = assemble_model_repository(tmp_path / "models", tiny_onnx_model_dir,
+                                     {**TEST_ENGINE_PARAMETERS, "max_queue_size": "64", "kv_pool_mb": "64"})
+    server = TritonServer(root, free_port(), free_port(), free_port(), "127.0.0.1", "cpu", tmp_path / "triton.log",
+                          state_dir=tmp_path / "state")
+    with ThreadPoolExecutor(6) as pool:
+        with server:
+            stubs = [stub.pid for stub in server.stubs]
+            futures = in_flight(server, pool, 6, max_tokens=60_000)
+            time.sleep(2)
+        outcomes = [future.result(timeout=60) for future in futures]
+    assert all(outcome.startswith("error") for outcome in outcomes), outcomes
+    log = (tmp_path / "triton.log").read_text()
+    assert server.process.returncode == 0 and "Exit timeout expired" not in log, log[-3000:]
+    assert not alive(stubs)

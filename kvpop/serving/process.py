@@ -136,7 +136,6 @@ class TritonServer:
     log_file: Path | None = None
     extra_args: list[str] = field(default_factory=list)
     admin_key: str | None = None  # guards Triton's admin APIs (header kvpop-admin-key); None: unguarded
-    extra_env: dict[str, str] = field(default_factory=dict)
     state_dir: Path | None = None  # session checkpoints (kvpop.serving.state_dir); None: run/state under the cwd
     die_with_parent: bool = False  # SIGKILLed when the process that started it dies (a supervisor's child)
     drain_file: Path | None = None  # the models' drain signal (kvpop.serving.drain); None: one beside the log
@@ -192,7 +191,6 @@ class TritonServer:
         if self.state_dir is not None:
             env[STATE_DIR_ENV] = str(Path(self.state_dir).resolve())
         env[DRAIN_FILE_ENV] = str(self.drain.path)
-        env.update(self.extra_env)
         return env
 
     def start(self) -> "TritonServer":

@@ -3,8 +3,9 @@
 A stub (`triton_python_backend_stub <model.py> <shm region> ...`) is a child of tritonserver in the
 server's process group. When the server dies without unloading its models (SIGKILL, a crash, the
 supervisor killed with it), the stub is meant to notice and exit, but one that was answering a request
-waits forever on the dead server's shared-memory queue: measured, an orphaned `kvpop_service` stub
-lived on for 26 minutes holding 62 MB and its /dev/shm region. So
+waits forever on the dead server's shared-memory queue (measured: a `kvpop_service` stub still alive
+minutes later with 62 MB and its /dev/shm region, every Python thread blocked behind one that holds
+the GIL in `Metric.set`). So
 - the server side finds a dead server's stubs by its process group (which outlives the server) and
   kills them before it starts a new server (`TritonServer.start`, `stop`), and also kills stubs of its
   model repository whose server is gone (a server killed together with its supervisor);

@@ -69,7 +69,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[export] FAILED: {error}", file=sys.stderr)
             return 1
     print(json.dumps(report["parity"], indent=2))
-    print(f"[export] wrote {args.output}")
     return 0
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import asdict, dataclass, field
+from importlib.metadata import version
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -36,11 +37,8 @@ class Fingerprint:
 
 
 def _versions() -> str:
-    import onnx
-    import onnxruntime
-    import torch
-
-    return f"torch {torch.__version__}, onnx {onnx.__version__}, onnxruntime {onnxruntime.__version__}"
+    """The versions of the libraries that write and check the export (read without importing them)."""
+    return ", ".join(f"{name} {version(name)}" for name in ("torch", "transformers", "onnx", "onnxruntime"))
 
 
 class _Hasher:

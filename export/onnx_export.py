@@ -1,12 +1,12 @@
 """Export `SlotCacheDecoderStep` (and its mixed decode + prompt variant) to ONNX with dynamic batch,
 new-token and slot dimensions.
 
-The TorchScript exporter (`torch.onnx.export(dynamo=False)`), not the dynamo one: measured on
-SmolLM2-135M (30 layers) it writes the decoder step in 23 s of CPU time where `dynamo=True,
-optimize=True` takes minutes, and the graphs serve at the same speed once onnxruntime has optimised
-them at load (its parity, lean variants and mixed step pass the same checks). Two of its habits are
-undone here: it writes the weights inline (they go to one external-data file), and constant folding
-stores a tied weight's transpose (the lm_head of tied embeddings) as a second copy (`untie_transposes`).
+The TorchScript exporter (`torch.onnx.export(dynamo=False)`), not the dynamo one: on SmolLM2-135M it
+takes a quarter of the CPU time (docs/DEPLOYMENT.md, "Exporting a model"), and its graphs serve at the
+same speed once onnxruntime has optimised them at load (parity, the lean variants and the mixed step
+pass the same checks). Two of its habits are undone here: it writes the weights inline (they go to one
+external-data file), and constant folding stores a tied weight's transpose (the lm_head of tied
+embeddings) as a second copy (`untie_transposes`).
 """
 
 from __future__ import annotations

@@ -127,7 +127,9 @@ def export_model(model_dir: Path, output_dir: Path, scorer_dir: Path | None = No
     stage = _Stages(total=6)
     report = _export_decoder(model_dir, output_dir, dtype, stage)
     report["fingerprint"] = current.as_dict()
-    return _add_scorers(report, scorer_dir, output_dir, stage)
+    report = _add_scorers(report, scorer_dir, output_dir, stage)
+    print(f"[export] wrote {output_dir} in {time.time() - started:.0f} s", flush=True)
+    return report
 
 
 def _export_decoder(model_dir: Path, output_dir: Path, dtype: str, stage: _Stages) -> dict:

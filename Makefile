@@ -109,7 +109,7 @@ test-unit: setup  ## [test] unit tests only
 test-e2e: setup  ## [test] end-to-end tests only (real tritonserver, tritonclient HTTP and gRPC)
 	$(PY) -m pytest -q -m "server and not slow"
 
-test-faults: setup  ## [test] stubs killed with SIGKILL and SIGTERM under load, against the real supervisor (~1.5 min)
+test-faults: setup  ## [test] stubs and servers killed with SIGKILL, SIGTERM, the launcher stopped hard, under load (~5 min)
 	$(PY) -m pytest -q -m faults tests/e2e/test_faults.py
 
 FUZZ_EXAMPLES ?= 2000

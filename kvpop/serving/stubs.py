@@ -132,7 +132,8 @@ def exit_with_server() -> subprocess.Popen | None:
     if this is None:
         return None
     python = shutil.which("python3") or sys.executable
-    return subprocess.Popen([python, "-m", "kvpop.serving.stubs", str(os.getppid()), str(this.pid), this.shm_region],
+    # This file as an isolated script (-I: nothing beside it on sys.path): psutil alone, not the kvpop package.
+    return subprocess.Popen([python, "-I", __file__, str(os.getppid()), str(this.pid), this.shm_region],
                             stdin=subprocess.DEVNULL, close_fds=True)
 
 
@@ -149,5 +150,5 @@ def watch(server_pid: int, stub_pid: int, region: str, grace_seconds: float = 3.
         time.sleep(poll_seconds)
 
 
-if __name__ == "__main__":  # the watcher: python -m kvpop.serving.stubs SERVER_PID STUB_PID SHM_REGION
+if __name__ == "__main__":  # the watcher: python stubs.py SERVER_PID STUB_PID SHM_REGION
     watch(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

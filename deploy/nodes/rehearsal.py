@@ -151,7 +151,8 @@ class Cluster:
         self.replicas = [
             Replica(f"replica{index}", weight, TritonServer(
                 repository, free_port(), free_port(), free_port(), "127.0.0.1", "cpu",
-                workdir / f"replica{index}.log", ["--exit-timeout-secs=2"]))
+                workdir / f"replica{index}.log", ["--exit-timeout-secs=2"],
+                state_dir=workdir / f"replica{index}-state"))  # each node its own, as each has its volume
             for index, weight in enumerate(weights)
         ]
         self.http_port, self.grpc_port = free_port(), free_port()

@@ -14,6 +14,7 @@ ADDRESS ?= 127.0.0.1# containers bind 0.0.0.0 (deploy/); the development default
 HEALTH_PORT ?= 8003
 OPENAI_PORT ?= 9000# the OpenAI-compatible API (/v1); 0: not started
 CONFIG ?= auto
+STATE_DIR ?= run/state# session checkpoints, never inside model_repository/ (the launcher's --state-dir)
 PID_FILE := run/tritonserver.pid
 
 .PHONY: help setup model export serve serve-bg stop test test-unit test-e2e clean reference-model retrieval-heads eval-reference \
@@ -84,12 +85,13 @@ export: setup $(if $(MODEL),,model)  ## [run] export MODEL=<hf dir> (default: Sm
 
 serve: setup  ## [run] run tritonserver in the foreground (HTTP 8000, gRPC 8001, metrics 8002, OpenAI API 9000; Ctrl-C stops)
 	$(PY) -m kvpop.serving.launcher --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
-		--metrics-port $(METRICS_PORT) --health-port $(HEALTH_PORT) --openai-port $(OPENAI_PORT) --address $(ADDRESS) --model-config-name $(CONFIG)
+		--metrics-port $(METRICS_PORT) --health-port $(HEALTH_PORT) --openai-port $(OPENAI_PORT) --address $(ADDRESS) --model-config-name $(CONFIG) \
+		--state-dir $(STATE_DIR)
 
 serve-bg: setup  ## [run] run tritonserver in the background (log in run/tritonserver.log); `make stop` stops it
 	$(PY) -m kvpop.serving.launcher --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
 		--metrics-port $(METRICS_PORT) --health-port $(HEALTH_PORT) --openai-port $(OPENAI_PORT) --address $(ADDRESS) --model-config-name $(CONFIG) \
-		--pid-file $(PID_FILE) --log-file run/tritonserver.log
+		--state-dir $(STATE_DIR) --pid-file $(PID_FILE) --log-file run/tritonserver.log
 
 stop:  ## [run] stop a server started with `make serve-bg` (drains: running requests get the grace period)
 	@if [ -f $(PID_FILE) ]; then \
@@ -107,7 +109,7 @@ test-unit: setup  ## [test] unit tests only
 test-e2e: setup  ## [test] end-to-end tests only (real tritonserver, tritonclient HTTP and gRPC)
 	$(PY) -m pytest -q -m "server and not slow"
 
-test-faults: setup  ## [test] stubs killed with SIGKILL and SIGTERM under load, against the real supervisor (~1.5 min)
+test-faults: setup  ## [test] stubs and servers killed with SIGKILL, SIGTERM, the launcher stopped hard, under load (~5 min)
 	$(PY) -m pytest -q -m faults tests/e2e/test_faults.py
 
 FUZZ_EXAMPLES ?= 2000

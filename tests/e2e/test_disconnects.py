@@ -18,7 +18,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from kvpop.serving.process import TritonServer, free_port
-from tests.e2e.conftest import TEST_ENGINE_PARAMETERS, build_model_repository, metric_reader, start_api
+from export.repository import assemble_model_repository
+from tests.e2e.conftest import TEST_ENGINE_PARAMETERS, metric_reader, start_api
 
 pytestmark = pytest.mark.server
 
@@ -32,7 +33,7 @@ ROUTES = ("openai stream", "openai complete", "engine gRPC stream", "service gRP
 
 @pytest.fixture(scope="module")
 def slow_server(tmp_path_factory, tiny_onnx_model_dir):
-    root = build_model_repository(tmp_path_factory.mktemp("slow_prefill"), tiny_onnx_model_dir, SLOW_PREFILL)
+    root = assemble_model_repository(tmp_path_factory.mktemp("slow_prefill"), tiny_onnx_model_dir, SLOW_PREFILL)
     server = TritonServer(model_repository=root, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                           address="127.0.0.1", model_config_name="cpu",
                           log_file=tmp_path_factory.mktemp("slow_logs") / "tritonserver.log")

@@ -14,10 +14,11 @@ ADDRESS ?= 127.0.0.1# containers bind 0.0.0.0 (deploy/); the development default
 HEALTH_PORT ?= 8003
 OPENAI_PORT ?= 9000# the OpenAI-compatible API (/v1); 0: not started
 CONFIG ?= auto
+STATE_DIR ?= run/state# session checkpoints, never inside model_repository/ (the launcher's --state-dir)
 PID_FILE := run/tritonserver.pid
 
 .PHONY: help setup model export serve serve-bg stop test test-unit test-e2e clean reference-model retrieval-heads eval-reference \
-	train-scorer eval-real eval-prose eval-multiturn tasks eval-sweep kvpress-env eval-kvpress speed speed-quick speed-real bench-service bench-sessions bench-steady bench-profile bench-overhead bench-openai loadtest \
+	train-scorer eval-real eval-diverse-validation eval-diverse-test eval-multiturn tasks eval-sweep kvpress-env eval-kvpress speed speed-quick speed-real bench-service bench-service-real bench-peers bench-step-split llamacpp-server gpu-check bench-sessions bench-steady bench-profile bench-overhead bench-openai loadtest \
 	system-deps image image-lb test-cluster load-time test-faults test-fuzz stress soak docs-results publish-results
 
 REFERENCE := models/reference
@@ -84,12 +85,13 @@ export: setup $(if $(MODEL),,model)  ## [run] export MODEL=<hf dir> (default: Sm
 
 serve: setup  ## [run] run tritonserver in the foreground (HTTP 8000, gRPC 8001, metrics 8002, OpenAI API 9000; Ctrl-C stops)
 	$(PY) -m kvpop.serving.launcher --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
-		--metrics-port $(METRICS_PORT) --health-port $(HEALTH_PORT) --openai-port $(OPENAI_PORT) --address $(ADDRESS) --model-config-name $(CONFIG)
+		--metrics-port $(METRICS_PORT) --health-port $(HEALTH_PORT) --openai-port $(OPENAI_PORT) --address $(ADDRESS) --model-config-name $(CONFIG) \
+		--state-dir $(STATE_DIR)
 
 serve-bg: setup  ## [run] run tritonserver in the background (log in run/tritonserver.log); `make stop` stops it
 	$(PY) -m kvpop.serving.launcher --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
 		--metrics-port $(METRICS_PORT) --health-port $(HEALTH_PORT) --openai-port $(OPENAI_PORT) --address $(ADDRESS) --model-config-name $(CONFIG) \
-		--pid-file $(PID_FILE) --log-file run/tritonserver.log
+		--state-dir $(STATE_DIR) --pid-file $(PID_FILE) --log-file run/tritonserver.log
 
 stop:  ## [run] stop a server started with `make serve-bg` (drains: running requests get the grace period)
 	@if [ -f $(PID_FILE) ]; then \
@@ -107,11 +109,11 @@ test-unit: setup  ## [test] unit tests only
 test-e2e: setup  ## [test] end-to-end tests only (real tritonserver, tritonclient HTTP and gRPC)
 	$(PY) -m pytest -q -m "server and not slow"
 
-test-faults: setup  ## [test] stubs killed with SIGKILL and SIGTERM under load, against the real supervisor (~1.5 min)
+test-faults: setup  ## [test] stubs and servers killed with SIGKILL, SIGTERM, the launcher stopped hard, under load (~5 min)
 	$(PY) -m pytest -q -m faults tests/e2e/test_faults.py
 
 FUZZ_EXAMPLES ?= 2000
-test-fuzz: setup  ## [test] the property-based request fuzzer against the real server, FUZZ_EXAMPLES requests
+test-fuzz: setup  ## [test] the property-based fuzzer (KServe routes and OpenAI API, real servers), FUZZ_EXAMPLES examples per property
 	HYPOTHESIS_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -m fuzz tests/e2e/test_fuzz.py
 
 STRESS_ARGS ?= --requests 1000 --concurrency 8 --policy kvpop --compression-ratio 0.88 --prompt-tokens 2048 --max-tokens 32
@@ -182,7 +184,7 @@ REAL_QUALITY_DIR ?= $(RESULTS_OUT)
 REAL_POLICIES ?=# comma-separated, e.g. kvpop:mlstm,streaming; empty: every policy
 REAL_COMPRESSIONS ?=# comma-separated, e.g. 0.75,0.88,0.94; empty: the sweep's default
 comma := ,
-REAL_TASK_SET ?= real# names the result folders; any other set also prefixes its task files (eval-prose: prose)
+REAL_TASK_SET ?= real# names the result folders; any other set also prefixes its task files
 
 eval-real: setup  ## [evaluate] English RULER-like tasks (REAL_TASK_NUM per length, REAL_TASK_LENGTHS) x every policy on the exported model: build/results/quality-real-<tokens>/
 	@test -f model_repository/kvpop_engine/1/model_spec.json || { echo "no exported model: run 'make export' first"; exit 1; }
@@ -196,16 +198,6 @@ eval-real: setup  ## [evaluate] English RULER-like tasks (REAL_TASK_NUM per leng
 			--out-dir $(REAL_QUALITY_DIR)/quality-$(REAL_TASK_SET)-$$tokens || exit 1; \
 	done
 
-PROSE_POLICIES ?= kvpop:mlstm,kvpop:mlstm+noquery,h2o,tova,streaming
-PROSE_COMPRESSIONS ?= 0.75,0.88,0.94
-# The published prose tables' tasks: 48 at 2,048 tokens (set prose48), 24 at 4,096 (set prose); the default alone also on 288
-# at 2,048 (set prose288, docs/QUALITY.md names the command).
-eval-prose: setup  ## [evaluate] the prose families (facts inside paragraphs, two facts asked together), every policy: build/results/quality-prose48-2048/, quality-prose-4096/
-	$(MAKE) eval-real REAL_TASK_SET=prose48 REAL_TASK_FAMILIES=prose_passkey,prose_multikey,prose_multi REAL_TASK_LENGTHS=2048 \
-		REAL_TASK_NUM=48 REAL_POLICIES=$(PROSE_POLICIES) REAL_COMPRESSIONS=$(PROSE_COMPRESSIONS)
-	$(MAKE) eval-real REAL_TASK_SET=prose REAL_TASK_FAMILIES=prose_passkey,prose_multikey,prose_multi REAL_TASK_LENGTHS=4096 \
-		REAL_TASK_NUM=24 REAL_POLICIES=$(PROSE_POLICIES) REAL_COMPRESSIONS=$(PROSE_COMPRESSIONS)
-
 REAL_KVPRESS_PRESSES ?= snapkv,expected_attention
 REAL_KVPRESS_COMPRESSIONS ?= 0.75,0.88,0.94
 eval-real-kvpress: setup kvpress-env  ## [evaluate] kvpress presses (REAL_KVPRESS_PRESSES, the prompt with its question pruned once) on a finished eval-real run's tasks (same variables), merged into its sweep
@@ -218,6 +210,28 @@ eval-real-kvpress: setup kvpress-env  ## [evaluate] kvpress presses (REAL_KVPRES
 			--scoring contains --out $$dir/kvpress.json && \
 		$(PY) -m kvpop_eval.kvpress_compare merge --kvpress $$dir/kvpress.json --sweep-dir $$dir || exit 1; \
 	done
+
+# The diverse suite (kvpop_eval/diverse_tasks.py: seven text sources, two held out of everything but test) through the
+# prefill-once harness. Validation: where design choices are made. Test: the pre-registered plan
+# (docs/results/preregistration-diverse.json), run piece by piece (DIVERSE_PIECE), resumable, analysed as registered.
+DIVERSE_PLAN ?= docs/results/preregistration-diverse.json
+DIVERSE_VALIDATION_NUM ?= 25
+DIVERSE_VALIDATION_POLICIES ?= kvpop:mlstm
+DIVERSE_PIECE ?= 1
+eval-diverse-validation: setup  ## [evaluate] the diverse suite's validation split, full vs DIVERSE_VALIDATION_POLICIES at 75/88/94%: build/results/diverse-validation/
+	@test -f model_repository/kvpop_engine/1/model_spec.json || { echo "no exported model: run 'make export' first"; exit 1; }
+	$(PY) -m kvpop_eval.diverse_tasks write --model $(REAL_MODEL) --split validation --context-tokens 2048 \
+		--num $(DIVERSE_VALIDATION_NUM) --out build/diverse/validation-2048.jsonl
+	$(PY) -m kvpop_eval.quality.prefill_once --model model_repository/kvpop_engine/1 --tasks build/diverse/validation-2048.jsonl \
+		--policies $(DIVERSE_VALIDATION_POLICIES) --scoring fact --out-dir $(RESULTS_OUT)/diverse-validation
+	$(PY) -m kvpop_eval.quality.analysis --runs $(RESULTS_OUT)/diverse-validation --tasks build/diverse/validation-2048.jsonl \
+		--out-dir $(RESULTS_OUT)/diverse-validation --detail kvpop:mlstm@0.88
+
+eval-diverse-test: setup  ## [evaluate] piece DIVERSE_PIECE of the pre-registered test plan (resumes), then the plan's analysis of every task run: build/results/diverse-test/
+	@test -f model_repository/kvpop_engine/1/model_spec.json || { echo "no exported model: run 'make export' first"; exit 1; }
+	$(PY) -m kvpop_eval.quality.plan tasks --plan $(DIVERSE_PLAN)
+	$(PY) -m kvpop_eval.quality.plan run --plan $(DIVERSE_PLAN) --piece $(DIVERSE_PIECE)
+	$(PY) -m kvpop_eval.quality.plan analyse --plan $(DIVERSE_PLAN) --out-dir $(RESULTS_OUT)/diverse-test/analysis
 
 # The pre-registered test run (kvpop_eval/multiturn/plan.py): both routes, every policy x compression; it resumes
 # where a stopped run ended. MULTITURN_OPENAI_URL: a running server's OpenAI API (make serve-bg); empty: one is started.
@@ -285,6 +299,48 @@ bench-service: setup  ## [benchmark] the real server (full, kvpop at 88%) vs Fas
 	@test -f $(BENCH_MODEL)/decoder_step.last.onnx || $(PY) -m export.step_variants $(BENCH_MODEL)
 	$(PY) -m kvpop_eval.bench.service --model $(BENCH_MODEL) --hf-model $(BENCH_HF) --out-dir $(RESULTS_OUT)/service-$(notdir $(BENCH_MODEL:/=)) $(BENCH_ARGS)
 
+# The service benchmark on SmolLM2 as `make export` wrote it: English prompts; prefill-heavy, long generation,
+# memory-bound (8 users, a KV pool of 4 full-cache sequences) and short chat; the full cache vs kvpop at 88%
+# vs the classic design (once), 2 interleaved repetitions (~20 min on 2 quiet cores): build/results/service-smollm2/
+REAL_BENCH_ARGS ?=
+REAL_BENCH_MODEL ?= model_repository/kvpop_engine/1
+bench-service-real: setup model  ## [benchmark] SmolLM2 through the real server: full vs kvpop 88% vs classic, 4 workloads (~20 min): build/results/service-smollm2/
+	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements/constraints.txt -r requirements/bench.txt
+	@test -f $(REAL_BENCH_MODEL)/model_spec.json || { echo "no exported model: run 'make export' first"; exit 1; }
+	$(PY) -m kvpop_eval.bench.real_service --model $(REAL_BENCH_MODEL) --hf-model $(REAL_MODEL) \
+		--out-dir $(RESULTS_OUT)/service-smollm2 $(REAL_BENCH_ARGS)
+
+# The CPU peer: llama.cpp's own server (continuous batching over parallel slots), built from the llama.cpp
+# sources that the llama-cpp-python sdist on PyPI vendors (C++, ~20 min on 2 cores, once), on the GGUF
+# SmolLM2 ships in (Q4_1) and its F16 / F32 copies (llama-quantize).
+LLAMACPP_VERSION := 0.3.36
+LLAMACPP_DIR := build/llamacpp
+LLAMACPP_SERVER := $(LLAMACPP_DIR)/cmake-build/bin/llama-server
+llamacpp-server: $(LLAMACPP_SERVER)  ## [benchmark] build llama.cpp's llama-server and llama-quantize (the CPU peer) into build/llamacpp/
+
+$(LLAMACPP_SERVER): | $(SETUP_STAMP)
+	@test -f $(LLAMACPP_DIR)/src/CMakeLists.txt || { mkdir -p $(LLAMACPP_DIR) && \
+		$(PY) -m pip download --quiet --disable-pip-version-check --no-deps --no-binary :all: llama-cpp-python==$(LLAMACPP_VERSION) -d $(LLAMACPP_DIR) && \
+		tar -xzf $(LLAMACPP_DIR)/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz -C $(LLAMACPP_DIR) && \
+		mv $(LLAMACPP_DIR)/llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp $(LLAMACPP_DIR)/src; }
+	cmake -S $(LLAMACPP_DIR)/src -B $(LLAMACPP_DIR)/cmake-build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
+		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_OPENSSL=OFF \
+		-DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF >/dev/null
+	cmake --build $(LLAMACPP_DIR)/cmake-build --target llama-server llama-quantize -j$(THREADS)
+
+PEERS_ARGS ?= --workloads prefill longgen chat --repetitions 2
+bench-peers: setup model $(LLAMACPP_SERVER)  ## [benchmark] SmolLM2: the real server (full, kvpop 88%) vs llama.cpp's server at Q4_1 / F16 / F32, same prompts and clients: build/results/peers-smollm2/
+	@test -f $(REAL_BENCH_MODEL)/model_spec.json || { echo "no exported model: run 'make export' first"; exit 1; }
+	$(PY) -m kvpop_eval.bench.real_service --model $(REAL_BENCH_MODEL) --hf-model $(REAL_MODEL) \
+		--systems full kvpop llamacpp:Q4_1 llamacpp:F16 llamacpp:F32 --once --out-dir $(RESULTS_OUT)/peers-smollm2 $(PEERS_ARGS)
+
+bench-step-split: setup  ## [benchmark] a decode step's time split into weights and KV traffic (measured bandwidth; an H100's predicted): build/results/step-split/
+	$(PY) -m kvpop_eval.bench.step_split --model $(SPEED_MODEL) --out-dir $(RESULTS_OUT)/step-split
+
+GPU_CHECK_ARGS ?=
+gpu-check: setup model  ## [benchmark] on a GPU machine (<10 min): float16 export, CUDA parity, step split, single-GPU service benchmark: build/results/gpu-check/
+	$(PY) -m kvpop_eval.bench.gpu_check --out-dir $(RESULTS_OUT)/gpu-check $(GPU_CHECK_ARGS)
+
 SESSION_MODEL ?= build/reference-export
 bench-sessions: setup  ## [benchmark] TTFT per turn of a 10-turn conversation, sessions vs resending the whole history: build/results/sessions/
 	@test -f $(SESSION_MODEL)/model_spec.json || $(PY) -m export --model $(REFERENCE) --output $(SESSION_MODEL)
@@ -349,7 +405,7 @@ test-cluster: setup system-deps  ## [test] rehearsal: 3 real tritonservers behin
 
 # Committed results: docs/results/<name>.json, rendered into README.md and docs/*.md between
 # `<!-- results:NAME -->` markers. Benchmarks write build/results/<name>/; publishing one is this explicit step.
-RESULTS ?=# names to publish (default: every known result), e.g. RESULTS=quality-real-2048
+RESULTS ?=# names to publish (default: every known result), e.g. RESULTS=diverse-test-2048
 docs-results: setup  ## [evaluate] re-render the result tables of README.md and docs/ from docs/results/*.json
 	$(PY) -m kvpop_eval.docs_results render
 

@@ -23,8 +23,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from deploy.nodes.rehearsal import ReplicaServer
-from kvpop.serving.process import free_port
+from export.repository import assemble_model_repository
+from kvpop.serving.process import TritonServer, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LOG_TIME = r"^[IWE](\d{4} \d\d:\d\d:\d\d\.\d+) +\d+ \S+\] "
@@ -64,16 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="kvpop-load-time-"))
     try:
         model_dir, model_name = exported_model(workdir / "model", args.exported_model)
-        repository = workdir / "model_repository"
-        shutil.copytree(REPO_ROOT / "model_repository", repository, ignore=shutil.ignore_patterns("__pycache__", "1"))
-        for model in ("kvpop_engine", "kvpop_service"):  # the model code only, never a previous export
-            (repository / model / "1").mkdir(parents=True)
-            shutil.copy2(REPO_ROOT / "model_repository" / model / "1" / "model.py", repository / model / "1")
-        shutil.copytree(model_dir, repository / "kvpop_engine" / "1", dirs_exist_ok=True)
+        repository = assemble_model_repository(workdir / "model_repository", model_dir)
         starts = []
         for number in range(args.starts):
             log_file = workdir / f"start{number}.log"
-            server = ReplicaServer(repository, free_port(), free_port(), free_port(), "127.0.0.1", "cpu", log_file)
+            server = TritonServer(repository, free_port(), free_port(), free_port(), "127.0.0.1", "cpu", log_file)
             began = time.monotonic()
             with server:
                 ready = round(time.monotonic() - began, 2)

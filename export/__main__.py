@@ -1,5 +1,6 @@
 """`python -m export --model DIR`: write the ONNX decoder step, tokenizer and model spec into the
-model repository, and fail unless the ONNX step matches the Hugging Face model.
+model repository, and fail unless the ONNX step matches the Hugging Face model. Nothing is redone when
+the output is up to date with the model, the export code, the dtype and the scorers (`--force` redoes it).
 
 Without --model: SmolLM2-135M-Instruct when `make model` has built it (models/smollm2-135m-instruct),
 else the shipped reference model (models/reference), else a tiny random Llama (for plumbing only: its
@@ -31,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="re-export only the scorers into an existing export of --model (after retraining them)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16"],
                         help="weights, KV cache and logits of the decoder step (float16: for GPU instances)")
+    parser.add_argument("--force", action="store_true",
+                        help="export again even when the output is up to date (same model files, code, dtype, scorers)")
     args = parser.parse_args(argv)
 
     from export.pipeline import ExportError, export_model, export_scorers_only
@@ -61,12 +64,11 @@ def main(argv: list[str] | None = None) -> int:
                 print("[export] no --model given and no reference model: building a tiny random Llama", flush=True)
                 model_dir = build_tiny_llama(Path(scratch) / "tiny-llama")
         try:
-            report = export_model(model_dir, args.output, args.scorer_dir, dtype=args.dtype)
+            report = export_model(model_dir, args.output, args.scorer_dir, dtype=args.dtype, force=args.force)
         except ExportError as error:
             print(f"[export] FAILED: {error}", file=sys.stderr)
             return 1
     print(json.dumps(report["parity"], indent=2))
-    print(f"[export] wrote {args.output}")
     return 0
 
 

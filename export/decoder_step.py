@@ -143,9 +143,10 @@ class SlotCacheDecoderStep(nn.Module):
         """One layer's attention for one segment: its new tokens' queries over its cache and each other."""
         _, _, past_key, past_value, _ = segment
         past_bias, chunk_bias = bias
-        query = query.view(batch, new_tokens, -1, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
-        key = key.view(batch, new_tokens, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        value = value.view(batch, new_tokens, -1, self.head_dim).transpose(1, 2)
+        # Head counts spelt out, never -1: an empty segment (B = 0) leaves nothing to infer it from.
+        query = query.view(batch, new_tokens, self.num_attention_heads, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
+        key = key.view(batch, new_tokens, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        value = value.view(batch, new_tokens, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if hasattr(attention, "q_norm"):  # Qwen3 normalises queries and keys per head
             query, key = attention.q_norm(query), attention.k_norm(key)
         query = query * cos + rotate_half(query) * sin
@@ -162,10 +163,11 @@ class SlotCacheDecoderStep(nn.Module):
         probs_past, probs_new = probs[..., :past_slots], probs[..., past_slots:]
         context = probs_past.to(past_v.dtype) @ past_v + probs_new.to(value.dtype) @ value[:, :, None]
         context = context.reshape(batch, self.num_attention_heads, new_tokens, self.head_dim)
-        context = context.transpose(1, 2).reshape(batch, new_tokens, -1)  # (B, T, Hq * D)
+        context = context.transpose(1, 2).reshape(batch, new_tokens, self.num_attention_heads * self.head_dim)
         return (
             context, key, value,
-            probs_past.reshape(batch, self.num_attention_heads, new_tokens, past_slots),
+            # -1, not S: ONNX Reshape reads a 0 in the shape as "keep that dimension" (an empty cache would get T)
+            probs_past.reshape(batch, self.num_attention_heads, new_tokens, -1),
             probs_new.reshape(batch, self.num_attention_heads, new_tokens, new_tokens),
         )
 

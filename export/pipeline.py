@@ -1,4 +1,9 @@
-"""The export pipeline: load, check architecture, export ONNX, write tokenizer + spec, check parity."""
+"""The export pipeline: load, check architecture, export ONNX, write tokenizer + spec, check parity.
+
+Incremental: the report keeps the fingerprint of what the export was made from (export/fingerprint.py);
+an export whose decoder step and scorers are both up to date is left alone, and one whose scorers
+alone changed gets only its scorers again.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import shutil
 import time
 from pathlib import Path
 
+from export.fingerprint import Fingerprint, fingerprint
 from kvpop.model_spec import ModelSpec
 from kvpop.policies.kvpop.runtime import RETRIEVAL_HEADS_FILE
 
@@ -31,6 +37,41 @@ class _Stages:
     def __call__(self, message: str) -> None:
         self.index += 1
         print(f"[export {self.index}/{self.total} +{time.time() - self.start:5.1f}s] {message}", flush=True)
+
+    def detail(self, message: str) -> None:
+        """A step inside the current stage."""
+        print(f"[export {self.index}/{self.total} +{time.time() - self.start:5.1f}s]   {message}", flush=True)
+
+
+def decoder_outputs(output_dir: Path, spec: ModelSpec) -> list[Path]:
+    """What an export of the decoder step writes (the scorers aside)."""
+    from kvpop.decoder import mixed_step_path, variant_paths
+    from kvpop.device_store import SLOT_WRITER_FILE
+
+    decoder = output_dir / spec.decoder_file
+    return [decoder, output_dir / (spec.decoder_file + ".data"), *variant_paths(decoder).values(), mixed_step_path(decoder),
+            output_dir / SLOT_WRITER_FILE, output_dir / TOKENIZER_DIRNAME, output_dir / "model_spec.json"]
+
+
+def _previous_report(output_dir: Path) -> dict:
+    try:
+        return json.loads((output_dir / REPORT_FILENAME).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _decoder_up_to_date(report: dict, output_dir: Path, decoder: str) -> bool:
+    previous = Fingerprint.from_dict(report.get("fingerprint"))
+    if previous is None or previous.decoder != decoder or not report.get("parity", {}).get("passed"):
+        return False
+    return all(path.exists() for path in decoder_outputs(output_dir, ModelSpec.load(output_dir)))
+
+
+def _scorers_up_to_date(report: dict, output_dir: Path, scorers: str) -> bool:
+    previous = Fingerprint.from_dict(report.get("fingerprint"))
+    exported = report.get("scorers")
+    return (previous is not None and previous.scorers == scorers and exported is not None
+            and all(result["passed"] and (output_dir / name).exists() for name, result in exported.items()))
 
 
 def model_spec_from_config(config, architecture: str, tokenizer, dtype: str = "float32") -> ModelSpec:
@@ -58,11 +99,41 @@ def scorer_dir_for(model_dir: Path) -> Path:
     return beside if beside.is_dir() else SHIPPED_SCORERS / Path(model_dir).resolve().name
 
 
-def export_model(model_dir: Path, output_dir: Path, scorer_dir: Path | None = None, dtype: str = "float32") -> dict:
+def export_model(model_dir: Path, output_dir: Path, scorer_dir: Path | None = None, dtype: str = "float32",
+                 force: bool = False) -> dict:
     """Export `model_dir` into `output_dir` (a Triton model version directory) and return the report.
     The scorers come from `scorer_dir` (default: scorer_dir_for(model_dir)). `dtype` float16 writes the
     decoder step's weights, KV cache and logits in half precision (GPU instances); parity is still
-    checked against the float32 model, at PARITY_TOLERANCES[dtype]."""
+    checked against the float32 model, at PARITY_TOLERANCES[dtype]. What is up to date in `output_dir`
+    (same fingerprint, every file there) is kept, unless `force`."""
+    model_dir, output_dir = Path(model_dir), Path(output_dir)
+    scorer_dir = Path(scorer_dir or scorer_dir_for(model_dir))
+    if not (model_dir / "config.json").exists():
+        raise ExportError(f"{model_dir} is not a Hugging Face model directory (no config.json)")
+    started = time.time()
+    report = _previous_report(output_dir)
+    current = fingerprint(model_dir, scorer_dir, dtype, Fingerprint.from_dict(report.get("fingerprint")))
+    if not force and _decoder_up_to_date(report, output_dir, current.decoder):
+        if _scorers_up_to_date(report, output_dir, current.scorers):
+            print(f"[export] {output_dir} is up to date with {model_dir} ({dtype}; fingerprint "
+                  f"{current.decoder[:12]}, checked in {time.time() - started:.1f} s): nothing to do "
+                  "(python -m export --force exports again)", flush=True)
+            report["fingerprint"] = current.as_dict()  # the files' times, so the next check hashes nothing
+            (output_dir / REPORT_FILENAME).write_text(json.dumps(report, indent=2) + "\n")
+            return report
+        print(f"[export] the decoder step in {output_dir} is up to date: exporting the scorers only", flush=True)
+        report["fingerprint"] = current.as_dict()
+        return _add_scorers(report, scorer_dir, output_dir, _Stages(total=1))
+    stage = _Stages(total=6)
+    report = _export_decoder(model_dir, output_dir, dtype, stage)
+    report["fingerprint"] = current.as_dict()
+    report = _add_scorers(report, scorer_dir, output_dir, stage)
+    print(f"[export] wrote {output_dir} in {time.time() - started:.0f} s", flush=True)
+    return report
+
+
+def _export_decoder(model_dir: Path, output_dir: Path, dtype: str, stage: _Stages) -> dict:
+    """The decoder step, its variants, tokenizer and spec, with every parity check; -> the report."""
     import copy
 
     import torch
@@ -75,11 +146,8 @@ def export_model(model_dir: Path, output_dir: Path, scorer_dir: Path | None = No
     from export.step_variants import check_mixed_step, check_variants, variant_paths, write_step_variants
     from kvpop.decoder import DecoderStep, mixed_step_path
 
-    model_dir, output_dir = Path(model_dir), Path(output_dir)
-    stage = _Stages(total=6)
     stage(f"reading {model_dir}")
-    if not (model_dir / "config.json").exists():
-        raise ExportError(f"{model_dir} is not a Hugging Face model directory (no config.json)")
+    (output_dir / REPORT_FILENAME).unlink(missing_ok=True)  # until this export has passed its checks
     config = AutoConfig.from_pretrained(model_dir)
     try:
         architecture = check_supported(config)
@@ -106,8 +174,11 @@ def export_model(model_dir: Path, output_dir: Path, scorer_dir: Path | None = No
     torch_dtype = getattr(torch, dtype)
     exported_lm = causal_lm if torch_dtype == torch.float32 else copy.deepcopy(causal_lm).to(torch_dtype)  # the reference stays fp32
     export_decoder_step(exported_lm, decoder_path, torch_dtype)
+    stage.detail(f"decoder step: {decoder_path.name}, {output_dir.joinpath(spec.decoder_file + '.data').stat().st_size / 2**20:.1f} MB of weights")
     write_step_variants(decoder_path)  # last-position logits, with and without attention (the engine's)
+    stage.detail("lean variants: last-position logits, with and without attention")
     export_mixed_step(exported_lm, mixed_path, weights_of=decoder_path, dtype=torch_dtype)  # a decode batch + prompt pieces in one call
+    stage.detail(f"mixed decode + prompt step: {mixed_path.name}, sharing the decoder step's weights")
     del exported_lm
     export_slot_writer(output_dir, spec.dtype)  # keeps the batch's cache on the GPU between steps
 
@@ -143,8 +214,7 @@ def export_model(model_dir: Path, output_dir: Path, scorer_dir: Path | None = No
         raise ExportError(f"the mixed step differs from the exported step: {report['mixed_step_max_abs_diff']:.2e}")
     if not parity.passed:
         raise ExportError(f"parity check failed: {parity.as_dict()} (report in {output_dir / REPORT_FILENAME})")
-
-    return _add_scorers(report, scorer_dir or scorer_dir_for(model_dir), output_dir, stage)
+    return report
 
 
 def export_scorers_only(model_dir: Path, output_dir: Path, scorer_dir: Path | None = None) -> dict:

@@ -37,6 +37,11 @@ class CacheUpdate:
     # A whole prompt's last W queries (the question, for a policy with a `query_window`) on the cache's C
     # slots, then on the T new tokens: (L, Hkv, G, W, C + T); None for every other append.
     query_attention: np.ndarray | None = None
+    # A whole prompt entering at once, with what EVERY one of its queries put on each old slot and new token
+    # (summed over the queries; attention and chunk_attention are then None): (L, Hkv, G, C + T). The quality
+    # harness supplies it (kvpop_eval.quality.prefill_once), so policies that accumulate attention score the
+    # whole prompt, as a policy that reads the question does; None for every other append.
+    prompt_attention: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

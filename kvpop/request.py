@@ -54,6 +54,7 @@ class CacheConfig:
     scorer: str = "accumulated_attention"  # kvpop only: a built-in scorer or one of LEARNED_SCORER_KINDS
     span_pooling: str | None = None  # kvpop only: how prompt tokens are ranked by span; None: the scorer's own
     query_window: int | None = None  # kvpop only: the prompt's last queries that pick slots; None: the policy's default
+    fill: str | None = None  # kvpop only: what ranks the slots the question does not pick ("scorer", "recency"); None: scorer
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -88,8 +89,8 @@ class CacheConfig:
     def build_policy(self, learned_scorers: dict | None = None):
         """The policy instance; a learned scorer resolves to the engine's loaded network (`learned_scorers`,
         by kind), whose protected window (the one it was trained for) replaces `window`."""
-        kvpop_options = {name: value for name, value in (("span_pooling", self.span_pooling), ("query_window", self.query_window))
-                         if value is not None}
+        kvpop_options = {name: value for name, value in (("span_pooling", self.span_pooling), ("query_window", self.query_window),
+                                                         ("fill", self.fill)) if value is not None}
         return make_policy(self.policy, learned_scorers or {}, sinks=self.sinks, window=self.window, seed=self.seed,
                            scorer=self.scorer, **kvpop_options)
 
@@ -117,13 +118,14 @@ class TokenEvent:
     token_id: int  # NO_TOKEN (-1) for a cancellation
     finished: bool
     finish_reason: FinishReason | None  # once finished
+    text: str = ""  # the answer's text this token completed (an engine with a tokenizer; kvpop.engine.detokenizer)
 
 
 @dataclass
 class GenerationResult:
     request_id: str
     prompt_ids: list[int]
-    output_ids: list[int]  # includes a final EOS token, as Hugging Face generate does
+    output_ids: list[int]  # every generated token: a final EOS (as Hugging Face generate) and a stop string's tokens too
     finish_reason: FinishReason
     budget: int  # slots per head (for full: the tokens it ended up holding)
     peak_kv_bytes: int  # largest key + value storage this sequence held
@@ -132,6 +134,7 @@ class GenerationResult:
     tokens_seen: int = 0
     policy: str = "full"
     matched_stop: str | None = None  # the stop string that ended it, if any (its tokens stay in output_ids)
+    text: str = ""  # the answer's text (special tokens skipped), ending before a stop string; "" without a tokenizer
     tokens_reused: int = 0  # prompt tokens taken from a saved session or a warm prefix (not computed)
     session_tier: Tier | None = None  # where the session's state was found, if it was
     prefix_lookup: bool = False  # the warm prefixes were searched (no session state continued it)

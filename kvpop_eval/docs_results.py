@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import re
 import shutil
+import statistics
 import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -28,11 +28,13 @@ BUILD_RESULTS_DIR = REPO_ROOT / "build" / "results"
 MANIFEST = "manifest.json"
 MARKER = re.compile(r"(<!-- results:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /results -->)", re.DOTALL)
 COMPRESSIONS = (0.5, 0.75, 0.88, 0.94)
-BOOTSTRAP_RESAMPLES = 5000
 
 
 # the service's default (query-aware where the model ships retrieval heads), its learned ranking alone, the heuristic baseline
 HEADLINE_POLICIES = ("kvpop:mlstm", "kvpop:mlstm+noquery", "streaming")
+# the baselines on equal footing (docs/QUALITY.md): the question's picks with a recency fill, SnapKV, H2O and TOVA on the
+# whole prompt, the learned ranking alone, StreamingLLM, keep-the-start
+BASELINES = ("kvpop:mlstm+recency", "snapkv", "h2o", "tova", "kvpop:mlstm+noquery", "streaming", "keep_start")
 
 
 @dataclass(frozen=True)
@@ -50,38 +52,22 @@ class ResultSpec:
 SPECS = {
     spec.name: spec
     for spec in (
-        ResultSpec("quality-real-2048", "quality-real-2048/sweep.json",
-                   "SmolLM2-135M-Instruct, 48 English tasks (test split), 2,048 tokens",
-                   "make eval-real REAL_TASK_LENGTHS=2048 REAL_TASK_NUM=48 REAL_TASK_FAMILIES=passkey,multikey "
-                   "REAL_POLICIES=kvpop:mlstm,kvpop:mlstm+noquery,streaming"),
-        ResultSpec("quality-prose-2048", "quality-prose-2048/sweep.json",
-                   "SmolLM2-135M-Instruct, 24 prose tasks (test split), 2,048 tokens",
-                   "make eval-real REAL_TASK_SET=prose REAL_TASK_LENGTHS=2048 REAL_TASK_NUM=24 "
-                   "REAL_TASK_FAMILIES=prose_passkey,prose_multikey,prose_multi "
-                   "REAL_POLICIES=kvpop:mlstm,kvpop:mlstm+noquery,h2o,tova,streaming REAL_COMPRESSIONS=0.75,0.88,0.94 "
-                   "&& make eval-real-kvpress REAL_TASK_SET=prose REAL_TASK_LENGTHS=2048"),
-        ResultSpec("quality-prose48-2048", "quality-prose48-2048/sweep.json",
-                   "SmolLM2-135M-Instruct, 48 prose tasks (test split), 2,048 tokens",
-                   "make eval-real REAL_TASK_SET=prose48 REAL_TASK_LENGTHS=2048 REAL_TASK_NUM=48 "
-                   "REAL_TASK_FAMILIES=prose_passkey,prose_multikey,prose_multi "
-                   "REAL_POLICIES=kvpop:mlstm,kvpop:mlstm+noquery,streaming,h2o,tova REAL_COMPRESSIONS=0.75,0.88,0.94 "
-                   "&& make eval-real-kvpress REAL_TASK_SET=prose48 REAL_TASK_LENGTHS=2048",
-                   headline_policies=("kvpop:mlstm+noquery", "streaming"), headline_memory=False),  # the default: 288 tasks
-        ResultSpec("quality-prose288-2048", "quality-prose288-2048/sweep.json",
-                   "SmolLM2-135M-Instruct, 288 prose tasks (test split), 2,048 tokens",
-                   "make eval-real REAL_TASK_SET=prose288 REAL_TASK_LENGTHS=2048 REAL_TASK_NUM=288 "
-                   "REAL_TASK_FAMILIES=prose_passkey,prose_multikey,prose_multi "
-                   "REAL_POLICIES=kvpop:mlstm REAL_COMPRESSIONS=0.75,0.88,0.94"),
-        ResultSpec("quality-prose-4096", "quality-prose-4096/sweep.json",
-                   "SmolLM2-135M-Instruct, 24 prose tasks (test split), 4,096 tokens",
-                   "make eval-real REAL_TASK_SET=prose REAL_TASK_LENGTHS=4096 REAL_TASK_NUM=24 "
-                   "REAL_TASK_FAMILIES=prose_passkey,prose_multikey,prose_multi "
-                   "REAL_POLICIES=kvpop:mlstm,streaming,h2o,tova REAL_COMPRESSIONS=0.75,0.88,0.94 "
-                   "&& make eval-real-kvpress REAL_TASK_SET=prose REAL_TASK_LENGTHS=4096"),
-        ResultSpec("quality-multikey-4096", "quality-multikey-4096/sweep.json",
-                   "SmolLM2-135M-Instruct, 24 multi-key questions (test split), 4,096 tokens",
-                   "make eval-real REAL_TASK_SET=multikey REAL_TASK_LENGTHS=4096 REAL_TASK_NUM=24 REAL_TASK_FAMILIES=multikey "
-                   "REAL_POLICIES=kvpop:mlstm REAL_COMPRESSIONS=0.94"),
+        ResultSpec("diverse-test-2048", "diverse-test/analysis/headline-2048/sweep.json",
+                   "SmolLM2-135M-Instruct, diverse suite (pre-registered test split), 2,048 tokens",
+                   "for n in $(seq 1 24); do make eval-diverse-test DIVERSE_PIECE=$n; done",
+                   headline_policies=("kvpop:mlstm",)),
+        ResultSpec("diverse-test-baselines-2048", "diverse-test/analysis/baselines-2048/sweep.json",
+                   "SmolLM2-135M-Instruct, diverse suite (pre-registered test split, every baseline), 2,048 tokens",
+                   "for n in $(seq 1 6); do make eval-diverse-test DIVERSE_PIECE=$n; done",
+                   headline_policies=BASELINES, headline_memory=False),
+        ResultSpec("diverse-test-4096", "diverse-test/analysis/baselines-4096/sweep.json",
+                   "SmolLM2-135M-Instruct, diverse suite (pre-registered test split), 4,096 tokens",
+                   "for n in $(seq 25 30); do make eval-diverse-test DIVERSE_PIECE=$n; done",
+                   headline_policies=("kvpop:mlstm", *BASELINES)),
+        ResultSpec("diverse-validation-2048", "diverse-validation/sweep.json",
+                   "SmolLM2-135M-Instruct, diverse suite (validation split), 2,048 tokens",
+                   "make eval-diverse-validation DIVERSE_VALIDATION_POLICIES=kvpop:mlstm,kvpop:mlstm+recency@0.88,snapkv@0.88",
+                   headline_policies=()),
         ResultSpec("multiturn", "multiturn/multiturn.json",
                    "SmolLM2-135M-Instruct, multi-turn chats (test split, pre-registered)",
                    "make eval-multiturn"),
@@ -91,13 +77,19 @@ SPECS = {
         ResultSpec("service-reference", "service-reference/service.json",
                    "the real server vs FastAPI + HF generate, reference model, kvpop at 88%",
                    "make bench-service BENCH_ARGS='--workloads a c d --repetitions 1 --stall-tokens 0'"),
+        ResultSpec("service-smollm2", "service-smollm2/service.json",
+                   "SmolLM2 through the real server: the full cache, kvpop at 88% and the classic design",
+                   "make bench-service-real"),
+        ResultSpec("peers-smollm2", "peers-smollm2/service.json",
+                   "SmolLM2 on the CPU: the real server against llama.cpp's server", "make bench-peers"),
+        ResultSpec("step-split", "step-split/step_split.json",
+                   "SmolLM2's decode step: weights and KV traffic", "make bench-step-split"),
     )
 }
 # the quality results in README's headline, in its order (then the multi-turn chats and the service's speed)
-HEADLINE_QUALITY = ("quality-real-2048", "quality-prose288-2048", "quality-prose48-2048", "quality-prose-4096",
-                    "quality-multikey-4096", "quality-reference-2048")
-POLICY_ORDER = ("full", "kvpop:mlstm", "kvpop:mlstm+noquery", "kvpop:mlstm+query", "kvpop:mlp", "kvpop", "keep_start", "streaming", "h2o",
-                "tova", "random")
+HEADLINE_QUALITY = ("diverse-test-2048", "diverse-test-baselines-2048", "diverse-test-4096", "quality-reference-2048")
+POLICY_ORDER = ("full", "kvpop:mlstm", "kvpop:mlstm+noquery", "kvpop:mlstm+recency", "kvpop:mlstm+query", "kvpop:mlp", "kvpop",
+                "snapkv", "h2o", "tova", "streaming", "keep_start", "random")
 
 
 # -- statistics -------------------------------------------------------------------------------------
@@ -118,13 +110,15 @@ def paired_counts(policy: str, full: str) -> tuple[int, int]:
             sum(a == "0" and b == "1" for a, b in zip(policy, full)))
 
 
-def paired_bootstrap(policy: str, full: str, seed: int = 0) -> tuple[float, float]:
-    """95% paired bootstrap interval of accuracy(policy) - accuracy(full); a fixed seed keeps it reproducible."""
-    differences = [int(a) - int(b) for a, b in zip(policy, full)]
-    n = len(differences)
-    rng = random.Random(seed)
-    means = sorted(sum(differences[i] for i in rng.choices(range(n), k=n)) / n for _ in range(BOOTSTRAP_RESAMPLES))
-    return (means[int(0.025 * BOOTSTRAP_RESAMPLES)], means[int(0.975 * BOOTSTRAP_RESAMPLES) - 1])
+def ratio_and_retained(policy: str, full: str) -> dict:
+    """The pre-registered statistics of a row against the full cache (kvpop_eval.quality.analysis.cell_statistics):
+    the accuracy ratio with its 95% paired bootstrap interval, and the share of the full cache's answers kept."""
+    import numpy as np
+
+    from kvpop_eval.quality.analysis import cell_statistics
+
+    correct, reference = (np.array([char == "1" for char in text]) for text in (policy, full))
+    return cell_statistics(correct, reference, np.ones_like(correct))
 
 
 # -- loading ----------------------------------------------------------------------------------------
@@ -181,17 +175,20 @@ def accuracy_cell(row: dict, full: dict, with_interval: bool = True) -> str:
     if row is not full and full["accuracy"] > 0:
         cell += f", {row['accuracy'] / full['accuracy']:.2f}x"
         if row.get("correct_by_task") and full.get("correct_by_task"):
+            low, high = ratio_and_retained(row["correct_by_task"], full["correct_by_task"])["ratio_interval"]
             gained, lost = paired_counts(row["correct_by_task"], full["correct_by_task"])
-            cell += f", +{gained}/-{lost}"
+            cell += f" [{low:.2f}, {high:.2f}], +{gained}/-{lost}"
     return cell
 
 
 def sweep_table(name: str, sweep: dict, manifest: dict) -> str:
     full = full_row(sweep)
+    registered = (f" ({sweep['tasks']} of the {sweep['tasks_registered']} the plan registered, pieces {', '.join(sweep['pieces'])}; "
+                  f"registered at `{sweep['registered_at'][0][:12]}`)" if "tasks_registered" in sweep else "")
     lines = [
-        f"{sweep['tasks']} tasks, `{sweep.get('scoring', 'exact')}` scoring, tasks file `{sweep.get('tasks_file', '?')}`.",
+        f"{sweep['tasks']} tasks{registered}, `{sweep.get('scoring', 'exact')}` scoring, tasks file `{sweep.get('tasks_file', '?')}`.",
         "",
-        "| policy | compression | accuracy [95% Wilson] | of full | +/- vs full | paired diff. [95% bootstrap] | mean budget (slots) | peak KV / sequence |",
+        "| policy | compression | accuracy [95% Wilson] | of full [95% paired bootstrap] | retained [95% Wilson] | +/- vs full | mean budget (slots) | peak KV / sequence |",
         "|---|---|---|---|---|---|---|---|",
     ]
     low, high = wilson_interval(round(full["accuracy"] * full["tasks"]), full["tasks"])
@@ -200,16 +197,19 @@ def sweep_table(name: str, sweep: dict, manifest: dict) -> str:
     for row in sweep_rows(sweep):
         low, high = wilson_interval(round(row["accuracy"] * row["tasks"]), row["tasks"])
         fraction = row["accuracy"] / full["accuracy"] if full["accuracy"] else float("nan")
-        counts, interval = "", ""
+        fraction_text, counts, interval = f"{fraction:.2f}", "", ""
         if row.get("correct_by_task") and full.get("correct_by_task"):
             gained, lost = paired_counts(row["correct_by_task"], full["correct_by_task"])
             counts = f"+{gained}/-{lost}"
-            diff_low, diff_high = paired_bootstrap(row["correct_by_task"], full["correct_by_task"])
-            interval = f"{row['accuracy'] - full['accuracy']:+.3f} [{diff_low:+.3f}, {diff_high:+.3f}]"
+            stats = ratio_and_retained(row["correct_by_task"], full["correct_by_task"])
+            if stats["ratio"] is not None:
+                fraction_text = f"{stats['ratio']:.2f} [{stats['ratio_interval'][0]:.2f}, {stats['ratio_interval'][1]:.2f}]"
+            if stats["retained"] is not None:
+                interval = f"{stats['retained']:.2f} [{stats['retained_interval'][0]:.2f}, {stats['retained_interval'][1]:.2f}]"
         peak = mib(row["max_peak_kv_bytes"]) if row.get("max_peak_kv_bytes") else ""
         budget = f"{row['mean_budget']:.0f}" if row.get("mean_budget") is not None else ""
         lines.append(f"| {row['policy']} | {row['compression']:.0%} | {row['accuracy']:.3f} [{low:.2f}, {high:.2f}] | "
-                     f"{fraction:.2f} | {counts} | {interval} | {budget} | {peak} |")
+                     f"{fraction_text} | {interval} | {counts} | {budget} | {peak} |")
     return "\n".join(lines) + "\n\n" + provenance(name, manifest) + "\n"
 
 
@@ -290,6 +290,68 @@ def service_table(name: str, service: dict, manifest: dict) -> str:
     return "\n".join(lines) + "\n\n" + provenance(name, manifest) + "\n"
 
 
+def real_service_table(name: str, service: dict, manifest: dict) -> str:
+    """kvpop_eval.bench.real_service: per workload, every system's medians and kvpop's ratio against it."""
+    fmt = lambda value, spec=".1f": "-" if value is None else format(value, spec)  # noqa: E731
+    median = lambda cells, key: statistics.median([c[key] for c in cells if c.get(key) is not None] or [math.nan])  # noqa: E731
+    lines = [
+        f"{service['machine']} (load average {service['load_average'][0]:.1f} at the start, {service['load_average_end'][0]:.1f} "
+        f"at the end); model `{service['model']}`; kvpop at 88% compression; {service['repetitions']} interleaved "
+        f"repetition(s), medians (once: {', '.join(service['once']) or 'none'}); English prompts, every request exactly "
+        "its output tokens.",
+        "",
+        "| workload | system | req/s | output tok/s | TTFT p50 (ms) | ITL p50 / p90 (ms) | kvpop vs it: req/s, output tok/s, ITL p50 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for workload in service["workloads"]:
+        for system in service["systems"]:
+            cells = service["cells"][workload["name"]][system]
+            if not cells:
+                continue
+            ratio = service["ratios"][workload["name"]].get(system)
+            against = "" if ratio is None else (f"{fmt(ratio['rps'], '.2f')}x, {fmt(ratio['tps'], '.2f')}x, "
+                                                 f"{fmt(ratio['itl_p50_shorter'], '.2f')}x shorter")
+            lines.append(f"| {workload['label']} ({workload['clients']} clients) | {system} | {median(cells, 'requests_per_s'):.3f} | "
+                         f"{median(cells, 'output_tokens_per_s'):.1f} | {fmt(median(cells, 'ttft_p50_ms'), '.0f')} | "
+                         f"{fmt(median(cells, 'itl_p50_ms'))} / {fmt(median(cells, 'itl_p90_ms'))} | {against} |")
+    return "\n".join(lines).replace("nan", "-") + "\n\n" + provenance(name, manifest) + "\n"
+
+
+def step_split_table(name: str, split: dict, manifest: dict) -> str:
+    """kvpop_eval.bench.step_split: the measured step, its floor and the GPU's predicted floor."""
+    bandwidth = split["bandwidth"]
+    lines = [
+        f"{split['machine']} (load average {split['load_average']:.1f}); {split['weight_bytes'] / 1e6:.0f} MB of weights, "
+        f"{split['kv_bytes_per_token'] / 1e3:.1f} kB of KV per token; measured bandwidth {bandwidth['floor_bytes_per_s'] / 1e9:.1f} GB/s; "
+        f"fit: {split['fit']['fixed_s'] * 1e3:.0f} ms + {split['fit']['per_slot_s'] * 1e6:.2f} µs x batch x slots (the floor: "
+        f"{split['kv_bytes_per_token'] / bandwidth['floor_bytes_per_s'] * 1e6:.2f} µs a slot); medians of "
+        f"{split['rounds']} interleaved repetitions. GPU columns: the floor at {split['gpu_bandwidth'] / 1e12:.1f} TB/s, a "
+        "prediction, not a measurement.",
+        "",
+        "| batch | context | cache (slots) | measured ms | floor ms: weights + KV | fitted ms: fixed + KV | full / kvpop measured | "
+        "full / kvpop on the floor | GPU floor ms fp16 (predicted) | full / kvpop on the GPU floor (predicted) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    ratios = {(row["batch"], row["context"]): row for row in split["ratios"]}
+    for row in split["rows"]:
+        ratio = ratios[(row["batch"], row["context"])]
+        shown = {key: f"{ratio[key]:.2f}x" if row["cache"] == "full" else ""  # once per (batch, context): on its full row
+                 for key in ("measured_full_over_kvpop", "floor_full_over_kvpop", "predicted_gpu_full_over_kvpop")}
+        lines.append(
+            f"| {row['batch']} | {row['context']} | {row['cache']} ({row['slots']}) | {row['median_s'] * 1e3:.0f} | "
+            f"{row['floor_weights_s'] * 1e3:.0f} + {row['floor_kv_s'] * 1e3:.0f} | {row['fitted_fixed_s'] * 1e3:.0f} + "
+            f"{row['fitted_kv_s'] * 1e3:.0f} | {shown['measured_full_over_kvpop']} | {shown['floor_full_over_kvpop']} | "
+            f"{row['predicted_gpu_fp16_s'] * 1e3:.2f} | {shown['predicted_gpu_full_over_kvpop']} |")
+    lines += ["", f"Predicted on a {split['gpu_bandwidth'] / 1e12:.1f} TB/s GPU in float16, the floor alone (not a measurement):", "",
+              "| batch | " + " | ".join(f"{context} tokens: full / kvpop ms" for context in sorted({r["context"] for r in split["gpu_predictions"]}))
+              + " |", "|---|" + "---|" * len({r["context"] for r in split["gpu_predictions"]})]
+    for batch in sorted({row["batch"] for row in split["gpu_predictions"]}):
+        cells = [f"{row['full_fp16_s'] * 1e3:.2f} / {row['kvpop_fp16_s'] * 1e3:.2f} ({row['full_over_kvpop']:.2f}x)"
+                 for row in split["gpu_predictions"] if row["batch"] == batch]
+        lines.append(f"| {batch} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n\n" + provenance(name, manifest) + "\n"
+
+
 def median_cell(repetitions: list[dict]) -> dict:
     """The repetition with the median output rate stands for the cell (one repetition: itself)."""
     return sorted(repetitions, key=lambda cell: cell["output_tokens_per_s"])[len(repetitions) // 2]
@@ -313,18 +375,20 @@ def headline_table(results: dict[str, dict | None], manifest: dict) -> str:
             lines.append(f"| {SPECS[name].title}: not published yet | | | | | | `{SPECS[name].command}` |")
             continue
         full = full_row(sweep)
+        title = SPECS[name].title + (f", {sweep['tasks']} of {sweep['tasks_registered']} registered tasks run"
+                                     if "tasks_registered" in sweep else "")  # a pre-registered plan, partly run
         by_policy: dict[str, dict[float, dict]] = {}
         for row in sweep_rows(sweep):
             by_policy.setdefault(row["policy"], {})[row["compression"]] = row
         for policy in [policy for policy in SPECS[name].headline_policies if policy in by_policy]:
             cells = [accuracy_cell(by_policy[policy][c], full) if c in by_policy[policy] else "" for c in COMPRESSIONS]
-            lines.append(f"| {SPECS[name].title}: accuracy of `{policy}` | {accuracy_cell(full, full)} | "
+            lines.append(f"| {title}: accuracy of `{policy}` | {accuracy_cell(full, full)} | "
                          + " | ".join(cells) + f" | `{SPECS[name].command}` |")
         if not SPECS[name].headline_memory:
             continue
         kvpop = by_policy.get(next((policy for policy in HEADLINE_POLICIES if policy in by_policy), ""), {})
         memory = [mib(kvpop[c]["max_peak_kv_bytes"]) if c in kvpop else "" for c in COMPRESSIONS]
-        lines.append(f"| {SPECS[name].title}: KV memory per sequence (peak) | {mib(full['max_peak_kv_bytes'])} | "
+        lines.append(f"| {title}: KV memory per sequence (peak) | {mib(full['max_peak_kv_bytes'])} | "
                      + " | ".join(memory) + f" | `{SPECS[name].command}` |")
     chats = results.get("multiturn")
     if chats is not None:
@@ -340,8 +404,8 @@ def headline_table(results: dict[str, dict | None], manifest: dict) -> str:
                          f"{speed} | | `{spec.command}` |")
     shown = (*HEADLINE_QUALITY, "multiturn", "service-reference")
     commits = sorted({manifest.get(name, {}).get("commit", "unknown")[:12] for name in shown if results.get(name)})
-    legend = ("Cells: accuracy [95% Wilson interval], fraction of the full cache's accuracy, tasks only this "
-              "policy / only the full cache answers. Service workloads: (a) 2,048-token prompts, (c) many users in a "
+    legend = ("Cells: accuracy [95% Wilson interval], fraction of the full cache's accuracy [95% paired bootstrap], tasks only "
+              "this policy / only the full cache answers. Service workloads: (a) 2,048-token prompts, (c) many users in a "
               "KV pool of 4 full sequences, (d) short chat prompts; ranges over 1-8 clients. "
               f"Produced at commit {', '.join(f'`{c}`' for c in commits) or '(none yet)'}; "
               "tables with every row: [docs/QUALITY.md](docs/QUALITY.md), [docs/PERFORMANCE.md](docs/PERFORMANCE.md).")
@@ -357,6 +421,10 @@ def render_table(name: str, results_dir: Path) -> str:
     result = load_result(results_dir, name)
     if result is None:
         return missing(name)
+    if result.get("kind") == "real-service":
+        return real_service_table(name, result, manifest)
+    if result.get("kind") == "step-split":
+        return step_split_table(name, result, manifest)
     if "cells" in result:
         return service_table(name, result, manifest)
     if "routes" in result:

@@ -88,3 +88,32 @@ def test_request_parser_reads_every_option_input():
 
     assert SCALAR_INPUTS == {spec.name: spec.python_type for spec in contract.OPTION_INPUTS}
     assert set(UNSET_WHEN_ZERO) <= set(SCALAR_INPUTS)
+
+
+@pytest.mark.parametrize("name, value, expected", [
+    ("max_tokens", 5, 5), ("max_tokens", 5.0, 5), ("max_tokens", 2**31 - 1, 2**31 - 1), ("temperature", 1, 1.0),
+    ("seed", 2**64 - 1, 2**64 - 1), ("eviction_policy", "kvpop", "kvpop"), ("ignore_eos", True, True),
+])
+def test_a_value_its_wire_type_carries_passes(name, value, expected):
+    checked = contract.SCALAR_INPUTS[name].check(value)
+    assert checked == expected and type(checked) is type(expected)
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("max_tokens", 2**31, "out of range for INT32"), ("max_tokens", -(2**31) - 1, "out of range for INT32"),
+    ("max_tokens", 2**63, "out of range"), ("max_tokens", True, "must be a number"), ("max_tokens", 2.5, "integer"),
+    ("max_tokens", float("inf"), "integer"), ("max_tokens", "5", "must be a number"), ("seed", -1, "out of range for UINT64"),
+    ("seed", 2**64, "out of range"), ("temperature", float("nan"), "finite"), ("temperature", 1e39, "out of range for FP32"),
+    ("temperature", False, "must be a number"), ("eviction_policy", "\ud800", "UTF-8"), ("eviction_policy", 5, "UTF-8"),
+    ("ignore_eos", 1, "boolean"),
+])
+def test_a_value_its_wire_type_cannot_carry_names_the_input(name, value, message):
+    with pytest.raises(ValueError, match=f"{name}.*{message}|{message}.*{name}"):
+        contract.SCALAR_INPUTS[name].check(value)
+
+
+def test_unencodable_text_is_found_wherever_it_is():
+    assert contract.unencodable_at({"a": [1, "ok", {"b": "x\ud800"}]}) == "a.2.b"
+    assert contract.unencodable_at({"k\udc00": 1}) == "k\\udc00"
+    assert contract.unencodable_at("\ud800") == ""
+    assert contract.unencodable_at({"a": ["fine", "漢字 🙂"]}) is None

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from deploy.nodes import lb
+from kvpop.serving.process import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -187,6 +188,20 @@ def test_compose_files_parse_and_expose_the_health_port():
     assert "8003:8003" in kvpop["ports"]
 
 
+def test_every_deployment_keeps_session_state_on_a_volume_outside_the_model_repository():
+    dockerfile = (DEPLOY / "docker" / "Dockerfile").read_text()
+    state = re.search(r"^ENV KVPOP_STATE_DIR=(\S+)$", dockerfile, re.M).group(1)
+    assert not state.startswith("/models")
+    pod = kubernetes_documents()["Deployment/kvpop-serve"]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert {item["name"]: item.get("value") for item in container["env"]}["KVPOP_STATE_DIR"] == state
+    [mount] = [mount for mount in container["volumeMounts"] if mount["mountPath"] == state]
+    assert mount["name"] in {volume["name"] for volume in pod["volumes"]}
+    kvpop = yaml.safe_load((DEPLOY / "docker" / "docker-compose.yml").read_text())["services"]["kvpop"]
+    assert any(volume.endswith(f":{state}") for volume in kvpop["volumes"])
+    assert f':{state}"' in (DEPLOY / "nodes" / "run-node.sh").read_text()
+
+
 def test_images_are_pinned():
     dockerfile = (DEPLOY / "docker" / "Dockerfile").read_text()
     assert "ARG TRITON_IMAGE=nvcr.io/nvidia/tritonserver:24.10-py3" in dockerfile
@@ -221,6 +236,97 @@ def test_nginx_accepts_the_rendered_config(tmp_path):
     config = rendered_nginx_config(tmp_path)
     result = subprocess.run(["nginx", "-t", "-p", str(tmp_path), "-c", str(config)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+class DyingNode:
+    """A node that dies while answering: it reads a whole request, then resets the connection (what a
+    tritonserver killed with SIGKILL does to a request nginx had just sent it)."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.requests = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        import socket
+        import struct
+
+        while True:
+            try:
+                connection, _ = self.listener.accept()
+            except OSError:
+                return
+            with connection:
+                data = b""
+                while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < self._length(data):
+                    chunk = connection.recv(65536)
+                    if not chunk:
+                        break
+                    data += chunk
+                self.requests += 1
+                connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST
+
+    @staticmethod
+    def _length(data: bytes) -> int:
+        found = re.search(rb"content-length: *(\d+)", data.split(b"\r\n\r\n", 1)[0], re.I)
+        return int(found.group(1)) if found else 0
+
+
+@pytest.mark.skipif(shutil.which("nginx") is None, reason="nginx not installed (make system-deps)")
+def test_nginx_sends_a_request_whose_node_died_with_it_to_another_node(tmp_path):
+    """A POST nginx had already sent to a node that then died is retried on another node, not a 502."""
+    import http.server
+    import threading
+    import time
+    import urllib.request
+
+    class Healthy(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's name)
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = b'{"outputs": []}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    dying, healthy = DyingNode(), http.server.ThreadingHTTPServer(("127.0.0.1", 0), Healthy)
+    threading.Thread(target=healthy.serve_forever, daemon=True).start()
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text(f"dying 127.0.0.1:{dying.port} 127.0.0.1:1 http://127.0.0.1:1/ready 1\n"
+                     f"healthy 127.0.0.1:{healthy.server_port} 127.0.0.1:2 http://127.0.0.1:2/ready 1\n")
+    listen = f"127.0.0.1:{free_port()}"
+    lb.main(["render", "--nodes", str(nodes), "--out", str(tmp_path / "nginx.conf"), "--run-dir", str(tmp_path),
+             "--http-listen", listen, "--grpc-listen", f"127.0.0.1:{free_port()}", "--worker-processes", "1",
+             "--access-log", str(tmp_path / "access.log"), "--error-log", str(tmp_path / "error.log")])
+    nginx = subprocess.Popen(["nginx", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf"), "-g", "daemon off;"])
+    try:
+        statuses = []
+        for attempt in range(50):
+            try:
+                request = urllib.request.Request(f"http://{listen}/v2/models/kvpop_service/infer", b'{"inputs": []}',
+                                                 {"Content-Type": "application/json"})
+                with urllib.request.urlopen(request, timeout=10) as response:
+                    statuses.append(response.status)
+            except urllib.error.HTTPError as error:
+                statuses.append(error.code)
+            except OSError:  # nginx not listening yet
+                time.sleep(0.1)
+            if dying.requests and len(statuses) >= 4:
+                break
+        assert dying.requests >= 1  # the dying node got (and dropped) a request
+        assert statuses and set(statuses) == {200}, (statuses, (tmp_path / "error.log").read_text()[-2000:])
+    finally:
+        nginx.terminate()
+        nginx.wait(10)
+        healthy.shutdown()
+        dying.listener.close()
 
 
 def test_health_watcher_takes_a_failing_node_out_and_brings_it_back(tmp_path, monkeypatch):

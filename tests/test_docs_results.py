@@ -59,20 +59,22 @@ def test_intervals_and_paired_counts():
     low, high = docs_results.wilson_interval(35, 48)
     assert 0.58 < low < 0.60 and 0.83 < high < 0.85
     assert docs_results.paired_counts("1100", "1010") == (1, 1)
-    low, high = docs_results.paired_bootstrap("1111", "1111")
-    assert low == high == 0.0
+    stats = docs_results.ratio_and_retained("1111", "1111")
+    assert stats["ratio"] == 1.0 and stats["ratio_interval"] == [1.0, 1.0] and stats["retained"] == 1.0
+    stats = docs_results.ratio_and_retained("0110", "1110")
+    assert stats["ratio"] == pytest.approx(2 / 3) and stats["retained"] == pytest.approx(2 / 3)
 
 
 def test_publish_copies_finished_runs_and_records_their_commit(tmp_path: Path):
     build, results = tmp_path / "build", tmp_path / "results"
-    (build / "quality-real-2048").mkdir(parents=True)
-    (build / "quality-real-2048" / "sweep.json").write_text(json.dumps(SWEEP))
+    (build / "diverse-validation").mkdir(parents=True)
+    (build / "diverse-validation" / "sweep.json").write_text(json.dumps(SWEEP))
     (build / "quality-reference-2048").mkdir()
     (build / "quality-reference-2048" / "sweep.json").write_text(json.dumps({**SWEEP, "complete": False}))
     (build / "manifest.json").write_text(json.dumps({"commit": "b" * 40}))
-    assert docs_results.publish(list(docs_results.SPECS), build, results) == ["quality-real-2048"]
-    assert json.loads((results / "quality-real-2048.json").read_text()) == SWEEP
-    assert json.loads((results / "manifest.json").read_text())["quality-real-2048"]["commit"] == "b" * 40
+    assert docs_results.publish(list(docs_results.SPECS), build, results) == ["diverse-validation-2048"]
+    assert json.loads((results / "diverse-validation-2048.json").read_text()) == SWEEP
+    assert json.loads((results / "manifest.json").read_text())["diverse-validation-2048"]["commit"] == "b" * 40
 
 
 @pytest.mark.parametrize("name", ["headline", *docs_results.SPECS])

@@ -153,3 +153,51 @@ def test_the_retrieval_heads_travel_with_the_scorers(tmp_path):
     (scorer_dir / RETRIEVAL_HEADS_FILE).unlink()
     export_learned_scorers(scorer_dir, output_dir, print)
     assert not (output_dir / RETRIEVAL_HEADS_FILE).exists()
+
+
+def test_an_export_with_nothing_changed_does_nothing_and_a_changed_scorer_redoes_only_the_scorers(
+        tiny_hf_model_dir, tiny_onnx_model_dir, tmp_path, capsys):
+    """`make export` twice: the second finds the same fingerprint (model files, export code, dtype,
+    scorers) and every file in place, and writes nothing; new scorers are exported alone."""
+    import shutil
+
+    output = tmp_path / "export"
+    shutil.copytree(tiny_onnx_model_dir, output)  # an export of the tiny model, as `make export` left it
+
+    def times() -> dict[str, int]:
+        return {path.name: path.stat().st_mtime_ns for path in output.iterdir() if path.is_file()}
+
+    before = times()
+    report = export_model(tiny_hf_model_dir, output)
+    assert "is up to date" in capsys.readouterr().out
+    exported = {name: stamp for name, stamp in before.items() if name != "export_report.json"}
+    assert report["parity"]["passed"] and {name: times()[name] for name in exported} == exported
+
+    scorers = tmp_path / "scorers"
+    shutil.copytree(tiny_hf_model_dir / "scorer", scorers)
+    (scorers / "notes.txt").write_text("retrained")  # any change to the scorers' folder
+    export_model(tiny_hf_model_dir, output, scorer_dir=scorers)
+    assert "exporting the scorers only" in capsys.readouterr().out
+    after = times()
+    assert {name: after[name] for name in before if name.startswith("decoder_step")} == {
+        name: before[name] for name in before if name.startswith("decoder_step")}
+    assert all(after[name] > before[name] for name in before if name.startswith("scorer_"))
+    export_model(tiny_hf_model_dir, output, scorer_dir=scorers)
+    assert "is up to date" in capsys.readouterr().out
+
+
+def test_the_fingerprint_follows_the_model_files_and_the_dtype(tmp_path):
+    from export.fingerprint import fingerprint
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"weights")
+    (model / "MODEL_CARD.md").write_text("not an input")
+    first = fingerprint(model, tmp_path / "no-scorers", "float32")
+    assert first.scorers == "" and fingerprint(model, tmp_path / "no-scorers", "float32", first).decoder == first.decoder
+    assert fingerprint(model, tmp_path / "no-scorers", "float16", first).decoder != first.decoder
+    (model / "MODEL_CARD.md").write_text("edited")
+    assert fingerprint(model, tmp_path / "no-scorers", "float32", first).decoder == first.decoder
+    (model / "model.safetensors").write_bytes(b"other weights")
+    assert fingerprint(model, tmp_path / "no-scorers", "float32", first).decoder != first.decoder

@@ -63,3 +63,35 @@ def test_service_config_reads_parameters():
 def test_service_config_rejects_bad_parameters(values, message):
     with pytest.raises(ValueError, match=message):
         ServiceConfig.from_model_config(parameters(**values))
+
+
+def test_an_assembled_repository_holds_the_committed_models_and_the_export_only(tmp_path, tiny_onnx_model_dir):
+    """What every test server, the cluster rehearsal and the benchmarks serve, built from a checkout
+    after `make export`: none of that export's files (retrieval heads, scorers, a chat template) nor a
+    run's leftovers may sit beside the tiny model."""
+    import shutil
+
+    from export.repository import assemble_model_repository, model_files
+
+    checkout = tmp_path / "checkout"
+    shutil.copytree(REPOSITORY, checkout, ignore=shutil.ignore_patterns("__pycache__"))
+    version = checkout / "kvpop_engine" / "1"
+    leftovers = ["retrieval_heads.json", "scorer_mlstm.onnx", "decoder_step.onnx.data", "tokenizer/chat_template.jinja",
+                 "export_report.json"]
+    for name in leftovers:
+        (version / name).parent.mkdir(parents=True, exist_ok=True)
+        (version / name).write_text("from the SmolLM2 export")
+    (checkout / "kvpop_engine" / "sessions").mkdir()
+    (checkout / "kvpop_engine" / "sessions" / "session.key").write_text("a run's state")
+
+    built = assemble_model_repository(tmp_path / "built", tiny_onnx_model_dir, {"kv_pool_mb": "7"}, source=checkout)
+
+    def files(root):
+        return {path.relative_to(root) for path in root.rglob("*") if path.is_file() and "__pycache__" not in path.parts}
+
+    export = {Path("kvpop_engine/1") / path for path in files(tiny_onnx_model_dir)}
+    assert files(built) == set(model_files(checkout)) | export
+    assert all((built / path).read_bytes() == (tiny_onnx_model_dir / path.relative_to("kvpop_engine/1")).read_bytes()
+               for path in export)
+    assert set(model_files(checkout)) == set(model_files(REPOSITORY))  # every committed model, nothing else
+    assert 'key: "kv_pool_mb" value: { string_value: "7" }' in (built / "kvpop_engine" / "configs" / "cpu.pbtxt").read_text()

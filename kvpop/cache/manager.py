@@ -190,6 +190,16 @@ class CacheManager:
         self._caches[request.request_id] = cache
         return allocation
 
+    def adopt(self, request: "GenerationRequest", cache: SlotCache) -> Allocation:
+        """A cache that already holds the request's whole prompt (`Engine.add_prefilled`), taken as the request's
+        own; its budget must be the one the request's configuration gives."""
+        budget = request.cache.resolve_budget(len(request.prompt_ids), request.sampling.max_tokens)
+        if cache.budget != budget or cache.policy.name != request.cache.policy:
+            raise ValueError(f"request {request.request_id!r}: a {cache.policy.name} cache of {cache.budget} slots is not the "
+                             f"{request.cache.policy} cache of {budget} slots its configuration gives")
+        self._caches[request.request_id] = cache
+        return Allocation(cache, tokens_reused=cache.tokens_seen)
+
     def _empty(self, request: "GenerationRequest", budget: int | None) -> SlotCache:
         """A new cache; a bounded one takes its whole storage now (what admission reserved)."""
         initial = 0 if budget is None else reserved_slots(budget, len(request.prompt_ids), request.sampling.max_tokens)

@@ -160,12 +160,13 @@ class SlotCache:
         attention: np.ndarray | None,  # (L, Hq, T, S) with S >= C; slots beyond C are padding
         chunk_attention: np.ndarray | None,  # (L, Hq, T, T)
         query_attention: np.ndarray | None = None,  # (L, Hq, W, C + T): a whole prompt's last W queries (CacheUpdate)
+        prompt_attention: np.ndarray | None = None,  # (L, Hq, C + T): what all its queries put on each (CacheUpdate)
     ) -> None:
         """Store T new tokens, evicting per head with the policy when the budget is exceeded."""
         num_layers, num_kv_heads, new_tokens, _ = key.shape
         group = self.spec.query_heads_per_kv_head
         capacity = self.capacity
-        if attention is None and self.policy.needs_attention:
+        if attention is None and prompt_attention is None and self.policy.needs_attention:
             raise ValueError(f"policy {self.policy.name!r} reads attention, but the step returned none")
         update = CacheUpdate(
             positions=np.arange(self.tokens_seen, self.tokens_seen + new_tokens, dtype=np.int64),
@@ -177,6 +178,8 @@ class SlotCache:
             else chunk_attention.reshape(num_layers, num_kv_heads, group, new_tokens, new_tokens),
             query_attention=None if query_attention is None
             else query_attention.reshape(num_layers, num_kv_heads, group, query_attention.shape[2], capacity + new_tokens),
+            prompt_attention=None if prompt_attention is None
+            else prompt_attention.reshape(num_layers, num_kv_heads, group, capacity + new_tokens),
         )
         decided: StatisticsUpdate = self.policy.observe(self, update)
         for name, values in decided.cached.items():  # (L, Hkv, C): the policy's arrays, taken over

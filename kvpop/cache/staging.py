@@ -1,5 +1,9 @@
 """Prompt chunks computed in pieces, held beside their caches until whole (kvpop.kvtypes.StagedChunk),
-and the decoder's past arrays for a prompt call: part of the cache manager's memory."""
+and the decoder's past arrays for a prompt call: part of the cache manager's memory.
+
+A chunk's keys and values go into one buffer of the whole chunk's length as its pieces arrive (a
+2,048-token prompt entering whole is eight pieces: stacking them anew for every piece would copy the
+prompt about four times over); only a policy that reads the pieces' attention has them stacked with it."""
 
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ class PromptStaging:
         self.spec = spec
         self.dtype = np.dtype(spec.dtype)
         self._staged: dict[str, StagedChunk] = {}  # request id -> its current chunk's pieces so far
+        self._buffers: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # request id -> (L, Hkv, chunk, D) keys, values
 
     def length(self, request_id: str) -> int:
         piece = self._staged.get(request_id)
@@ -38,6 +43,7 @@ class PromptStaging:
 
     def drop(self, request_id: str) -> None:
         self._staged.pop(request_id, None)
+        self._buffers.pop(request_id, None)
 
     def inputs(self, caches: list[SlotCache], request_ids: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(past_key, past_value, slot_mask) for a prompt chunk (or piece) of `caches`: (L, B, Hkv, S, D)
@@ -50,7 +56,8 @@ class PromptStaging:
             return cache.key[:, None], cache.value[:, None], cache.slot_mask()[None]
         slots = max(cache.capacity + more for cache, more in zip(caches, extra))  # stacked and padded (padding is masked)
         shape = (self.spec.num_layers, len(caches), self.spec.num_kv_heads, slots, self.spec.head_dim)
-        past_key, past_value, slot_mask = np.zeros(shape, self.dtype), np.zeros(shape, self.dtype), np.zeros((len(caches), slots), bool)
+        allocate = np.empty if len(caches) == 1 else np.zeros  # one row is written whole; padding must be zeros
+        past_key, past_value, slot_mask = allocate(shape, self.dtype), allocate(shape, self.dtype), np.zeros((len(caches), slots), bool)
         for row, (cache, more) in enumerate(zip(caches, extra)):
             past_key[:, row, :, : cache.capacity] = cache.key
             past_value[:, row, :, : cache.capacity] = cache.value
@@ -86,14 +93,35 @@ class PromptStaging:
             key, value = out.new_key[:, row], out.new_value[:, row]  # (L, Hkv, t, D)
             attention = None if out.attention is None else out.attention[:, row]  # (L, Hq, t, S)
             chunk_attention = None if out.chunk_attention is None else out.chunk_attention[:, row]
-            if piece is None:
-                piece = StagedChunk.first(cache.capacity, key, value, attention, chunk_attention)
-            else:
-                piece.add(key, value, attention, chunk_attention)
+            piece = self._with_piece(request_id, piece, cache.capacity, chunk_length, key, value, attention, chunk_attention)
             cache.policy.stage(cache, piece, slice(piece.length - length, piece.length), chunk_length)
             if done:
                 query = piece.query_attention(out.attention[:, row], out.chunk_attention[:, row]) if reads_query else None
                 cache.append(piece.key, piece.value, piece.attention, piece.chunk_attention, query_attention=query)
+                self._buffers.pop(request_id, None)
             else:
                 self._staged[request_id] = piece
+
+    def _with_piece(self, request_id: str, piece: StagedChunk | None, capacity: int, chunk_length: int, key: np.ndarray,
+                    value: np.ndarray, attention: np.ndarray | None, chunk_attention: np.ndarray | None) -> StagedChunk:
+        """The chunk's pieces so far and this one (`key`, `value`: (L, Hkv, t, D)). Without staged attention
+        they are views of the chunk's buffer, the new piece written after the others; with it, stacked."""
+        if piece is None and attention is not None:  # a policy reads the pieces' attention: StagedChunk stacks it all
+            return StagedChunk.first(capacity, key, value, attention, chunk_attention)
+        if piece is not None and piece.attention is not None:
+            piece.add(key, value, attention, chunk_attention)
+            return piece
+        start = 0 if piece is None else piece.length
+        if request_id not in self._buffers:  # the chunk's first piece, or the first after pieces stacked with attention
+            shape = (self.spec.num_layers, self.spec.num_kv_heads, chunk_length, self.spec.head_dim)
+            self._buffers[request_id] = (np.empty(shape, self.dtype), np.empty(shape, self.dtype))
+            if piece is not None:
+                self._buffers[request_id][0][:, :, :start], self._buffers[request_id][1][:, :, :start] = piece.key, piece.value
+        key_buffer, value_buffer = self._buffers[request_id]
+        stop = start + key.shape[2]
+        key_buffer[:, :, start:stop], value_buffer[:, :, start:stop] = key, value
+        if piece is None:
+            return StagedChunk(capacity, key_buffer[:, :, :stop], value_buffer[:, :, :stop], None, None)
+        piece.key, piece.value = key_buffer[:, :, :stop], value_buffer[:, :, :stop]
+        return piece
 

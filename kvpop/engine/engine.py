@@ -16,13 +16,16 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Protocol
 
 from kvpop.cache.manager import CacheManager, KVReservations
 from kvpop.cache.prefix_cache import PrefixCache
+from kvpop.cache.slot_cache import SlotCache
 from kvpop.decoder import DecoderStep
 from kvpop.engine.config import EngineConfig
+from kvpop.engine.detokenizer import IncrementalDetokenizer
 from kvpop.engine.runner import ModelRunner
 from kvpop.engine.scheduler import Scheduler
 from kvpop.engine.sequence import EngineState, Phase, Sequence, SequenceState
@@ -49,7 +52,8 @@ class Engine:
         reservations: KVReservations | None = None,
     ) -> None:
         """`config`: how it batches and schedules. `learned_scorers`: the model's kvpop scorers by kind,
-        shared by its sequences; `tokenizer`: for stop strings (and policies that read the prompt's text).
+        shared by its sequences; `tokenizer`: for the answers' text and stop strings (and policies that read
+        the prompt's text).
         `sessions`, `prefixes` and `reservations` (the KV pool's ledger, where a server reserves its
         requests' memory through the cache manager) outlive an engine (a service restarts its engine
         after a failure)."""
@@ -67,6 +71,7 @@ class Engine:
         self._cancelled: set[str] = set()
         self._finished: dict[str, GenerationResult] = {}
         self._request_ids: set[str] = set()  # every id not yet released by `result`
+        self._prefilled: dict[str, tuple[SlotCache, int]] = {}  # waiting ids whose prompt is in a cache (add_prefilled)
         self._running: dict[str, Sequence] = {}  # step thread only: prompt in, decoding
         self._prefilling: dict[str, Sequence] = {}  # step thread only: admitted, prompt partly fed (FIFO)
 
@@ -83,12 +88,27 @@ class Engine:
 
     def add_request(self, request: GenerationRequest) -> None:
         """Queue a request; it joins the running batch at the next step. Raises ValueError if invalid."""
+        self._queue(request, None)
+
+    def add_prefilled(self, request: GenerationRequest, cache: "SlotCache", first_token: int) -> None:
+        """Queue a request whose whole prompt is already in `cache` (a cache of the request's configuration,
+        the engine's from now on) and whose first token was sampled from the prompt's last logits: it joins
+        the decoding batch at the next step. A prompt prefilled once and compressed several ways decodes its
+        branches so (kvpop_eval.quality.prefill_once)."""
+        if cache.tokens_seen != len(request.prompt_ids):
+            raise ValueError(f"request {request.request_id!r}: its cache has seen {cache.tokens_seen} tokens, "
+                             f"its prompt has {len(request.prompt_ids)}")
+        self._queue(request, (cache, first_token))
+
+    def _queue(self, request: GenerationRequest, prefilled: "tuple[SlotCache, int] | None") -> None:
         self._check(request)
         with self._lock:
             if request.request_id in self._request_ids:
                 raise ValueError(f"request id {request.request_id!r} is already in use")
             self._request_ids.add(request.request_id)
             self._waiting.append(request)
+            if prefilled is not None:
+                self._prefilled[request.request_id] = prefilled
 
     def _check(self, request: GenerationRequest) -> None:
         """ValueError unless this engine can run `request` (tokens, length, scorer, stops, session)."""
@@ -244,14 +264,18 @@ class Engine:
     def _new_sequence(self, request: GenerationRequest) -> Sequence:
         """An admitted request's sequence with the cache the manager gives it (empty, a session's
         saved state or a warm prefix's); the rest of its prompt is fed by `_decode_and_prefill`."""
-        allocation = self.cache_manager.allocate(request)
+        with self._lock:
+            prefilled = self._prefilled.pop(request.request_id, None)
+        allocation = self.cache_manager.allocate(request) if prefilled is None else self.cache_manager.adopt(request, prefilled[0])
         cache = allocation.cache
         prompt_left = len(request.prompt_ids) - allocation.tokens_reused
+        detokenizer = IncrementalDetokenizer(self.tokenizer, request.sampling.stop) if self.tokenizer is not None else None
         return Sequence(
-            request=request, allocation=allocation, sampler=Sampler(request.sampling),
+            request=request, allocation=allocation, sampler=Sampler(request.sampling), detokenizer=detokenizer,
             chunk_size=self.scheduler.chunk_size(cache.policy, cache.budget, prompt_left),
             prefilled=allocation.tokens_reused,
             query_window=self.scheduler.query_window(cache.policy, cache.budget, prompt_left, cache.length),
+            pending_token=NO_TOKEN if prefilled is None else prefilled[1],
         )
 
     def _decode_and_prefill(self, decoding: list[Sequence]) -> list[TokenEvent]:
@@ -303,34 +327,34 @@ class Engine:
         sequence.output_ids.append(token)
         sequence.pending_token = token
         sampling = sequence.request.sampling
-        if token in self.spec.eos_token_ids and not sampling.ignore_eos:
+        detokenizer = sequence.detokenizer
+        stopped = detokenizer is not None and detokenizer.push(token) is not None  # a stop string, cut from the text
+        if stopped or (token in self.spec.eos_token_ids and not sampling.ignore_eos):
             return self._finish(sequence, FinishReason.STOP, token)
-        if sampling.stop:
-            sequence.matched_stop = self._matched_stop(sequence.output_ids, sampling.stop)
-            if sequence.matched_stop is not None:
-                return self._finish(sequence, FinishReason.STOP, token)
         if len(sequence.output_ids) >= sampling.max_tokens or sequence.cache.tokens_seen + 1 >= self.spec.max_position_embeddings:
             return self._finish(sequence, FinishReason.LENGTH, token)
-        return TokenEvent(sequence.request_id, token, finished=False, finish_reason=None)
-
-    def _matched_stop(self, output_ids: list[int], stops: tuple[str, ...]) -> str | None:
-        # A stop string is completed by the newest token; decoding a short tail is enough to see it
-        # (every token decodes to at least one byte; a character is at most 4 bytes).
-        tail = output_ids[-(4 * max(len(stop) for stop in stops) + 4) :]
-        text = self.tokenizer.decode(tail, skip_special_tokens=True)
-        return next((stop for stop in stops if stop in text), None)
+        text = detokenizer.take() if detokenizer is not None else ""
+        return TokenEvent(sequence.request_id, token, finished=False, finish_reason=None, text=text)
 
     def _finish(self, sequence: Sequence, reason: FinishReason, token: int) -> TokenEvent:
         request = sequence.request
         self._running.pop(request.request_id, None)
         self._prefilling.pop(request.request_id, None)
-        result = self.cache_manager.finish(sequence.allocation, request, sequence.output_ids, reason, sequence.matched_stop)
+        detokenizer = sequence.detokenizer
+        if detokenizer is not None:
+            detokenizer.flush()
+        result = self.cache_manager.finish(sequence.allocation, request, sequence.output_ids, reason,
+                                           detokenizer.matched_stop if detokenizer is not None else None)
+        if detokenizer is not None:
+            result = replace(result, text=detokenizer.text)
         with self._lock:
             self._finished[request.request_id] = result
-        return TokenEvent(request.request_id, token, finished=True, finish_reason=reason)
+        text = detokenizer.take(final=True) if detokenizer is not None else ""
+        return TokenEvent(request.request_id, token, finished=True, finish_reason=reason, text=text)
 
     def _finish_waiting(self, request: GenerationRequest) -> TokenEvent:
         """A request cancelled before it started (called under the lock)."""
+        self._prefilled.pop(request.request_id, None)
         self._finished[request.request_id] = GenerationResult(
             request.request_id, request.prompt_ids, [], FinishReason.CANCELLED, budget=0, peak_kv_bytes=0,
             tokens_evicted=0, compression=0.0, policy=request.cache.policy,

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
+from kvpop.engine.detokenizer import IncrementalDetokenizer
 from kvpop.request import NO_TOKEN, GenerationRequest
 from kvpop.sampling import Sampler
 
@@ -26,8 +27,8 @@ class Sequence:
     allocation: "Allocation"  # the cache the manager gave it, and how much of the prompt that held
     sampler: Sampler
     output_ids: list[int] = field(default_factory=list)
+    detokenizer: IncrementalDetokenizer | None = None  # its text and stop strings (an engine with a tokenizer)
     pending_token: int = NO_TOKEN  # sampled, not yet fed to the model
-    matched_stop: str | None = None
     prefilled: int = 0  # prompt tokens run through the model so far (in the cache, or staged)
     chunk_size: int = 1  # prompt tokens per prefill chunk (what enters the cache at once)
     staged_tokens: int = 0  # of the current chunk, computed but not yet in the cache (the manager holds them)

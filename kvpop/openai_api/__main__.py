@@ -6,6 +6,7 @@ import argparse
 import os
 
 from kvpop.openai_api.app import Settings, create_app
+from kvpop.openai_api.body import MAX_BODY_BYTES
 
 API_KEY_ENV = "KVPOP_OPENAI_API_KEY"
 
@@ -20,10 +21,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine-model", default="kvpop_engine", help="the Triton model to forward to (the model id)")
     parser.add_argument("--api-key-env", default=API_KEY_ENV,
                         help=f"environment variable holding the API key (default {API_KEY_ENV}); unset: no key")
+    parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
+                        help=f"larger request bodies are refused with 413 before they are read (default {MAX_BODY_BYTES})")
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
     settings = Settings(triton_grpc_url=args.triton_grpc, engine_model=args.engine_model,
-                        api_key=os.environ.get(args.api_key_env) or None)
+                        api_key=os.environ.get(args.api_key_env) or None, max_body_bytes=args.max_body_bytes)
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=30)
 

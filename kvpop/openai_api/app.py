@@ -1,4 +1,4 @@
-"""The FastAPI application: routes, OpenAI error bodies, SSE streaming, API key, metrics."""
+"""The FastAPI application: routes, OpenAI error bodies, SSE streaming, API key, metrics, disconnects."""
 
 from __future__ import annotations
 
@@ -9,24 +9,22 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+from starlette.routing import Match
 
+from kvpop.openai_api.body import MAX_BODY_BYTES, read_body
 from kvpop.openai_api.engine_client import Delta, EngineClient, EngineError, EngineRequest
+from kvpop.openai_api.errors import ERROR_STATUS, APIError
 from kvpop.openai_api.schemas import ChatCompletionRequest, CompletionRequest, RequestError
 
-# kvpop.serving.errors kind -> (HTTP status, OpenAI error type)
-ERROR_STATUS = {
-    "invalid": (400, "invalid_request_error"),
-    "overloaded": (503, "service_unavailable"),
-    "internal": (500, "server_error"),
-}
-DISCONNECT_POLL_S = 0.25  # how often a complete (non-streamed) answer checks that its client is still there
+T = TypeVar("T")
+UNKNOWN_ROUTE = "unknown"  # the `route` label of every path no route serves (labels must stay few)
 
 
 @dataclass
@@ -34,27 +32,13 @@ class Settings:
     triton_grpc_url: str = "127.0.0.1:8001"
     engine_model: str = "kvpop_engine"  # the Triton model answering; also the model id clients name
     api_key: str | None = None  # when set, every /v1 request needs `Authorization: Bearer <key>`
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, error_type: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.error_type, self.param, self.code = status, error_type, param, code
-
-    def response(self) -> JSONResponse:
-        body = {"error": {"message": str(self), "type": self.error_type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
-
-    @classmethod
-    def from_engine(cls, error: EngineError) -> "APIError":
-        status, error_type = ERROR_STATUS[error.kind]
-        return cls(status, str(error), error_type)
+    max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies are refused (413) before they are read
 
 
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("kvpop_openai_requests", "OpenAI API requests by route and HTTP status",
+        self.requests = Counter("kvpop_openai_requests", "OpenAI API requests by route template and HTTP status",
                                 ["route", "status"], registry=self.registry)
         self.latency = Histogram("kvpop_openai_request_seconds", "OpenAI API request latency (to the last byte)",
                                  ["route"], registry=self.registry,
@@ -81,15 +65,17 @@ def create_app(settings: Settings) -> FastAPI:
     async def api_error(_: Request, error: APIError) -> JSONResponse:
         return error.response()
 
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0] if error.errors() else {}
-        location = [str(part) for part in first.get("loc", ()) if part != "body"]
-        param = ".".join(location) or None
-        message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request body")
-        return APIError(400, message, "invalid_request_error", param).response()
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        """Starlette's own answers (no such route: 404, a route without this method: 405) in OpenAI's body."""
+        message = f"{error.detail}: {request.method} {request.url.path}"
+        return APIError(error.status_code, message, "invalid_request_error").response(error.headers)
 
-    app.add_middleware(AuthenticateAndCount, settings=settings, metrics=metrics)
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, error: Exception) -> JSONResponse:
+        return APIError(500, f"internal error: {type(error).__name__}", "server_error").response()
+
+    app.add_middleware(AuthenticateAndCount, settings=settings, metrics=metrics, routes=app.router.routes)
 
     def check_model(model: str) -> None:
         if model != settings.engine_model:
@@ -115,37 +101,42 @@ def create_app(settings: Settings) -> FastAPI:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat_completions(request: Request) -> Response:
+        body = await read_body(request, ChatCompletionRequest, settings.max_body_bytes)
         check_model(body.model)
         return await answer(request, body, _translate(body), chat=True)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    async def completions(request: Request) -> Response:
+        body = await read_body(request, CompletionRequest, settings.max_body_bytes)
         check_model(body.model)
         return await answer(request, body, _translate(body), chat=False)
 
     async def answer(request: Request, body, engine_request: EngineRequest, chat: bool) -> Response:
-        route, started = request.url.path, time.perf_counter()
+        route, started = request.url.path, time.perf_counter()  # a fixed path: one of the two routes above
         deltas = engine.generate(engine_request)
         metrics.in_flight.inc()
         try:
-            first = await _first_delta(deltas)  # errors before the first token keep their HTTP status
+            first = await _unless_disconnected(request, _first_delta(deltas))  # errors keep their HTTP status
         except BaseException:
             metrics.in_flight.dec()
             raise
+        if first is None:  # the client left while the request was queued or its prompt prefilled
+            metrics.in_flight.dec()
+            return Response(status_code=499)  # nginx's "client closed request": nobody reads it
         metrics.first_token.labels(route).observe(time.perf_counter() - started)
         shape = _Shape(chat=chat, model=settings.engine_model)
-        if body.stream:
+        if body.stream:  # from here on StreamingResponse notices a disconnect and closes `deltas`
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_sse(shape, first, deltas, include_usage, metrics, route, started),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
-            collected = await _collect_unless_disconnected(request, first, deltas)
+            collected = await _unless_disconnected(request, _collect(first, deltas))
         finally:
             metrics.in_flight.dec()
             metrics.latency.labels(route).observe(time.perf_counter() - started)
         if collected is None:
-            return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+            return Response(status_code=499)
         text, last = collected
         metrics.tokens.labels("prompt").inc(last.prompt_tokens)
         metrics.tokens.labels("completion").inc(last.completion_tokens)
@@ -155,17 +146,25 @@ def create_app(settings: Settings) -> FastAPI:
 
 
 class AuthenticateAndCount:
-    """Checks the API key of /v1 requests and counts them by route and status. A plain ASGI middleware:
-    Starlette's BaseHTTPMiddleware would hide a client's disconnect from the routes behind it."""
+    """Checks the API key of /v1 requests and counts them by route template and status (a path no route
+    serves counts as UNKNOWN_ROUTE: a client must not be able to make new series). A plain ASGI
+    middleware: Starlette's BaseHTTPMiddleware would hide a client's disconnect from the routes behind it."""
 
-    def __init__(self, app, settings: Settings, metrics: Metrics) -> None:
-        self.app, self.settings, self.metrics = app, settings, metrics
+    def __init__(self, app, settings: Settings, metrics: Metrics, routes: list) -> None:
+        self.app, self.settings, self.metrics, self.routes = app, settings, metrics, routes
+
+    def _template(self, scope) -> str:
+        for route in self.routes:
+            match, _ = route.matches(scope)
+            if match != Match.NONE:  # PARTIAL: the path is served, the method is not (405)
+                return route.path
+        return UNKNOWN_ROUTE
 
     async def __call__(self, scope, receive, send) -> None:
-        route = scope.get("path", "")
-        if scope["type"] != "http" or not route.startswith("/v1/"):
+        if scope["type"] != "http" or not scope.get("path", "").startswith("/v1/"):
             await self.app(scope, receive, send)
             return
+        route = self._template(scope)
         if self.settings.api_key:
             given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             token = given[7:] if given.lower().startswith("bearer ") else ""
@@ -208,30 +207,41 @@ async def _first_delta(deltas: AsyncIterator[Delta]) -> Delta:
         raise APIError(500, "the engine sent no response", "server_error") from None
 
 
-async def _collect_unless_disconnected(request: Request, first: Delta, deltas: AsyncIterator[Delta]):
-    """The whole answer, or None when the client disconnected first (the generation is then cancelled)."""
-    async def collect() -> tuple[str, Delta]:
-        parts, last = [first.text], first
+async def _collect(first: Delta, deltas: AsyncIterator[Delta]) -> tuple[str, Delta]:
+    """The whole answer: its text and its last delta (finish reason, usage, cache statistics)."""
+    parts, last = [first.text], first
+    try:
         async for delta in deltas:
             parts.append(delta.text)
             last = delta
-        return "".join(parts), last
-
-    task = asyncio.ensure_future(collect())
-    try:
-        while not task.done():
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if not done and await request.is_disconnected():
-                task.cancel()  # thrown into the engine stream, whose `finally` cancels the Triton request
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                return None
-        return task.result()
     except EngineError as error:
         raise APIError.from_engine(error) from None
+    return "".join(parts), last
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """What `work` returns, or None as soon as the client disconnects (at any stage: its request queued,
+    its prompt prefilling, its answer generating). `work` is then cancelled: the engine stream's `finally`
+    cancels the Triton request, and the engine drops it from its queue or frees its slots at once."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return None
     finally:
-        if not task.done():
-            task.cancel()
+        for pending in (task, gone):
+            pending.cancel()
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client has gone (the body is read: the server's next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 @dataclass

@@ -7,11 +7,12 @@ Fields that change nothing about the answer (`user`, `metadata`, `store`, `servi
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from kvpop.openai_api.engine_client import EngineRequest
+from kvpop.serving import contract
 
 
 class RequestError(Exception):
@@ -22,6 +23,13 @@ class RequestError(Exception):
         self.param = param
 
 
+def _wire(input_name: str) -> BeforeValidator:
+    """A field sent as the engine input `input_name`: checked against that input's wire type first, so a
+    boolean is not taken for a number and nothing wraps around (kvpop.serving.contract.TensorSpec.check)."""
+    spec = contract.SCALAR_INPUTS[input_name]
+    return BeforeValidator(lambda value: value if value is None else spec.check(value))
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -30,8 +38,9 @@ class KVpopOptions(BaseModel):
     """The bounded cache's controls, sent as extra body fields (`extra_body` in the openai SDK)."""
 
     eviction_policy: str | None = None  # full | streaming | h2o | tova | random | kvpop
-    compression_ratio: float | None = None  # 1 - budget / tokens seen, in [0, 1)
-    kv_budget: int | None = None  # slots per attention head
+    compression_ratio: Annotated[float | None, _wire("compression_ratio")] = None  # 1 - budget / tokens seen, in [0, 1)
+    # slots per attention head; 0, as on every route, means not set (a bounded policy's default budget)
+    kv_budget: Annotated[int | None, _wire("kv_budget")] = Field(default=None, ge=0)
     session_id: str | None = None  # keep this conversation's cache between turns
     ignore_eos: bool = False  # generate exactly max_tokens (benchmarks; vLLM's server takes it too)
 
@@ -40,10 +49,10 @@ class _Common(KVpopOptions):
     model_config = ConfigDict(extra="allow")
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    max_tokens: Annotated[int | None, _wire("max_tokens")] = Field(default=None, ge=1)
+    temperature: Annotated[float | None, _wire("temperature")] = Field(default=None, ge=0.0, le=2.0)
+    top_p: Annotated[float | None, _wire("top_p")] = Field(default=None, gt=0.0, le=1.0)
+    seed: Annotated[int | None, _wire("seed")] = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     n: int | None = None
     stream: bool = False
@@ -124,7 +133,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: Annotated[int | None, _wire("max_tokens")] = Field(default=None, ge=1)
     _unsupported = ("tools", "tool_choice", "functions", "function_call", "response_format", "logprobs",
                     "top_logprobs", "modalities", "audio", "prediction", "reasoning_effort", "web_search_options")
 

@@ -15,13 +15,14 @@ from kvpop.policies.h2o import H2OPolicy
 from kvpop.policies.keep_start import KeepStartPolicy
 from kvpop.policies.kvpop import KVpopPolicy, load_learned_scorers
 from kvpop.policies.random import RandomPolicy
+from kvpop.policies.snapkv import SnapKVPolicy
 from kvpop.policies.kvpop.scorers import SCORERS, AccumulatedAttentionScorer, LeavingTokens, TokenScorer
 from kvpop.policies.streaming import StreamingPolicy
 from kvpop.policies.tova import TOVAPolicy
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
     policy.name: policy
-    for policy in (FullPolicy, StreamingPolicy, H2OPolicy, TOVAPolicy, RandomPolicy, KeepStartPolicy, KVpopPolicy)
+    for policy in (FullPolicy, StreamingPolicy, H2OPolicy, TOVAPolicy, RandomPolicy, KVpopPolicy, KeepStartPolicy, SnapKVPolicy)
 }
 
 

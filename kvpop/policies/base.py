@@ -129,7 +129,13 @@ def group_attention(attention: np.ndarray, reduce: str = "sum") -> np.ndarray:
 
 def accumulate_attention(cache: CacheView, update: CacheUpdate, statistic: str) -> StatisticsUpdate:
     """`statistic` plus what the new queries put on each cached slot; the new tokens' own totals
-    (what later tokens of the same chunk put on them). Shared by h2o and kvpop."""
+    (what later tokens of the same chunk put on them); a whole prompt's from every one of its queries
+    (`CacheUpdate.prompt_attention`). Shared by h2o and kvpop."""
+    if update.prompt_attention is not None:
+        received = update.prompt_attention.sum(axis=2)  # (L, Hkv, C + T)
+        capacity = received.shape[2] - update.num_tokens
+        return StatisticsUpdate(new={statistic: received[..., capacity:]},
+                                cached={statistic: cache.statistics[statistic] + received[..., :capacity]})
     return StatisticsUpdate(
         new={statistic: group_attention(update.chunk_attention)},
         cached={statistic: cache.statistics[statistic] + group_attention(update.attention)},

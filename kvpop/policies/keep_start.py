@@ -1,7 +1,9 @@
-"""Keep the start: the first B tokens stay, every later one is evicted (a prompt truncated to its beginning).
+"""Keep the start: the prompt's first tokens and a protected recent window; everything between goes.
 
-The floor for any policy that claims to remember: a conversation whose fact is told first is answered
-from this cache as long as the fact fits in the budget, so a benchmark it passes does not test memory.
+The floor for a document whose facts sit early (a system prompt, the opening of a pasted text): what a
+truncating client keeps when it cuts the middle of a long prompt. StreamingLLM keeps 4 first tokens and
+fills the rest with the most recent ones; this policy fills it with the earliest, newest first evicted
+once it leaves the window.
 """
 
 from __future__ import annotations
@@ -16,6 +18,12 @@ from kvpop.policies.base import EvictionPolicy
 @dataclass
 class KeepStartPolicy(EvictionPolicy):
     name = "keep_start"
+    uses_window = True
+    window: int = 64
+
+    def __post_init__(self) -> None:
+        if self.window < 0:
+            raise ValueError(f"keep_start: window must be >= 0, got {self.window}")
 
     def score(self, cache, candidates) -> np.ndarray:
-        return -candidates.positions.astype(np.float32)  # the newest token goes first
+        return -candidates.positions.astype(np.float32)  # outside the window, the latest token goes first

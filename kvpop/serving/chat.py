@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kvpop.serving.contract import unencodable_at
+
 MAX_MESSAGES = 256
 ROLES = ("system", "user", "assistant", "tool")
 FALLBACK_CHAT_TEMPLATE = (
@@ -36,6 +38,11 @@ def parse_messages(raw: Any) -> list[dict[str, str]]:
             raw = json.loads(raw)
         except json.JSONDecodeError as error:
             raise InvalidMessagesError(f"messages is not valid JSON ({error.msg} at character {error.pos})") from None
+        except RecursionError:
+            raise InvalidMessagesError("messages nests too deeply") from None
+    where = unencodable_at(raw)
+    if where is not None:
+        raise InvalidMessagesError(f"messages.{where} is not valid UTF-8 text (it holds a lone surrogate)")
     if not isinstance(raw, list) or not raw:
         raise InvalidMessagesError('messages must be a non-empty JSON list of {"role": ..., "content": ...}')
     if len(raw) > MAX_MESSAGES:

@@ -51,7 +51,9 @@ class ServiceConfig:
     session_warm_mb: int = 1024  # more sessions kept in host memory
     session_cold_mb: int = 8192  # session checkpoints on disk; the oldest beyond this are deleted
     session_ttl_s: float = 86400.0  # checkpoints unused this long are deleted
-    session_dir: str = "sessions"  # checkpoint directory, relative to the model's directory; "": no disk tier
+    # checkpoint directory: relative to the model's folder in the state directory (kvpop.serving.state_dir,
+    # `--state-dir`), never the model repository; an absolute path as is; "": no disk tier
+    session_dir: str = "sessions"
     text_input_chat: str = "auto"  # auto: a model with a chat template answers text_input as one user message; never: raw
     warm_prefixes: str = ""  # JSON list of prompt beginnings (strings or message lists) prefilled at load
     warm_prefix_policies: str = ""  # comma-separated policies to prefill them for besides default_policy

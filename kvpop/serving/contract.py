@@ -10,8 +10,10 @@ A new input is one more `TensorSpec` here and one more line in each config.pbtxt
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 import numpy as np
 
@@ -23,6 +25,13 @@ DATA_TYPES: dict[str, tuple[str, type, type]] = {
     "TYPE_INT64": ("INT64", np.int64, int),
     "TYPE_UINT64": ("UINT64", np.uint64, int),
     "TYPE_FP32": ("FP32", np.float32, float),
+}
+# The values each numeric wire type carries: beyond them a value wraps or overflows on its way to a model.
+WIRE_RANGES: dict[str, tuple[float, float]] = {
+    "TYPE_INT32": (-(2**31), 2**31 - 1),
+    "TYPE_INT64": (-(2**63), 2**63 - 1),
+    "TYPE_UINT64": (0, 2**64 - 1),
+    "TYPE_FP32": (-float(np.finfo(np.float32).max), float(np.finfo(np.float32).max)),
 }
 
 
@@ -55,6 +64,32 @@ class TensorSpec:
     @property
     def scalar(self) -> bool:
         return self.dims == (1,)
+
+    def check(self, value: Any) -> Any:
+        """`value` as this input's Python type when its wire type carries it exactly, else ValueError naming
+        the input. Every client-given value passes here before it becomes a tensor: booleans are not
+        numbers, an integer-valued float is an integer, and nothing wraps around."""
+        kind = self.python_type
+        if kind is str:
+            if not isinstance(value, str) or not encodable(value):
+                raise ValueError(f"{self.name} must be a UTF-8 string, got {value!r}")
+            return value
+        if kind is bool:
+            if not isinstance(value, (bool, np.bool_)):
+                raise ValueError(f"{self.name} must be a boolean, got {value!r}")
+            return bool(value)
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+            raise ValueError(f"{self.name} must be a number ({self.datatype}), got {value!r}")
+        if kind is int:
+            if isinstance(value, (float, np.floating)) and not (math.isfinite(value) and float(value).is_integer()):
+                raise ValueError(f"{self.name} must be an integer ({self.datatype}), got {value!r}")
+            value = int(value)
+        elif not math.isfinite(value):
+            raise ValueError(f"{self.name} must be a finite number, got {value!r}")
+        low, high = WIRE_RANGES[self.data_type]
+        if not low <= value <= high:
+            raise ValueError(f"{self.name} is out of range for {self.datatype} [{low:g}, {high:g}], got {value!r}")
+        return kind(value)
 
 
 @dataclass(frozen=True)
@@ -158,6 +193,33 @@ MODELS = {model.name: model for model in (ENGINE, SERVICE)}
 SCALAR_INPUTS: dict[str, TensorSpec] = {spec.name: spec for spec in OPTION_INPUTS}
 
 FINISH_REASONS = ("stop", "length", "cancelled")
+
+
+def encodable(text: str) -> bool:
+    """Whether `text` can be sent as BYTES: UTF-8 has no encoding of a lone surrogate (JSON's "\\ud800")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def unencodable_at(value: Any) -> str | None:
+    """Where a decoded JSON value holds a string (or key) that is not valid text, as a dotted path ("" for
+    the value itself), or None: every string a client sends must be UTF-8 on its way to the engine."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str) and not encodable(item):
+            return path
+        children = item.items() if isinstance(item, dict) else enumerate(item) if isinstance(item, list) else ()
+        for key, child in children:
+            name = str(key).encode("utf-8", "backslashreplace").decode("utf-8")  # a path that is text itself
+            child_path = f"{path}.{name}" if path else name
+            if isinstance(key, str) and not encodable(key):
+                return child_path
+            stack.append((child, child_path))
+    return None
 
 
 class ErrorKind(str, Enum):

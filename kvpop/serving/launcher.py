@@ -26,6 +26,8 @@ from kvpop.serving.process import (
     free_port,
     prepare_python_backend_stub,
 )
+from kvpop.serving.ports import PortInUseError, check_ports
+from kvpop.serving.state_dir import DEFAULT_STATE_DIR, STATE_DIR_ENV
 from kvpop.serving.supervisor import ChildProcess, Supervisor, install_signal_handlers
 
 __all__ = ["ProcessStartError", "TritonServer", "choose_model_config", "count_gpus", "free_port", "main"]
@@ -43,6 +45,17 @@ def admin_key(explicit: str | None, key_file: Path) -> str:
     key_file.write_text(key + "\n")
     print(f"[serve] admin APIs guarded by a random key in {key_file} (set KVPOP_ADMIN_KEY to choose it)", flush=True)
     return key
+
+
+def writable_state_dir(path: Path) -> None:
+    """Create the state directory and make sure the server can write there (OSError naming it if not)."""
+    path.mkdir(parents=True, exist_ok=True)
+    probe = path / f".write-test-{os.getpid()}"
+    try:
+        probe.write_text("")
+    except OSError as error:
+        raise OSError(f"the state directory {path} is not writable ({error.strerror}): choose one with --state-dir") from None
+    probe.unlink()
 
 
 def detach(argv: list[str], pid_file: Path, log_file: Path, health_url: str, timeout: float = 300.0) -> int:
@@ -97,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
                              "default: a random key written beside the log)")
     parser.add_argument("--openai-port", type=int, default=9000,
                         help="the OpenAI-compatible API's port (python -m kvpop.openai_api; 0: off)")
+    parser.add_argument("--state-dir", type=Path, default=Path(os.environ.get(STATE_DIR_ENV) or DEFAULT_STATE_DIR),
+                        help="session checkpoints and what else must outlive the server, never inside the model "
+                             f"repository ({STATE_DIR_ENV}; default: {DEFAULT_STATE_DIR})")
     parser.add_argument("--pid-file", type=Path, help="run in the background; the supervisor's pid goes here")
     parser.add_argument("--log-file", type=Path)
     parser.add_argument("--prepare-only", action="store_true", help="only install the Python backend stub")
@@ -107,6 +123,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not any(Path(args.model_repository).glob("*/1/model_spec.json")):
         print("no exported model in the model repository: run `make export` first", file=sys.stderr)
+        return 1
+    try:  # before anything is started: one clear error, not a child restarted over and over
+        check_ports(args.address, {"HTTP": args.http_port, "gRPC": args.grpc_port, "metrics": args.metrics_port,
+                                   "health": args.health_port, "OpenAI API": args.openai_port})
+        writable_state_dir(args.state_dir)
+    except (PortInUseError, OSError) as error:
+        print(f"[serve] {error}", file=sys.stderr)
         return 1
     run_dir = (args.log_file or Path("run/tritonserver.log")).parent
     if args.pid_file:
@@ -121,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     server = TritonServer(
         args.model_repository, args.http_port, args.grpc_port, args.metrics_port, args.address,
         None if args.model_config_name in ("", "default") else args.model_config_name, args.log_file,
-        admin_key=admin_key(args.admin_key, run_dir / "admin-key"),
+        admin_key=admin_key(args.admin_key, run_dir / "admin-key"), state_dir=args.state_dir,
     )
     gpus = count_gpus()
     config = choose_model_config(gpus) if server.model_config_name == "auto" else server.model_config_name

@@ -7,6 +7,7 @@ worker can run without metrics (`NullMetrics`) in unit tests and offline tools.
 from __future__ import annotations
 
 import time
+from dataclasses import astuple, dataclass
 from typing import Any
 
 from kvpop.request import FinishReason, Tier
@@ -21,6 +22,20 @@ SESSION_TIERS = tuple(Tier)
 RESTORE_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 STEP_GAUGE_INTERVAL = 0.1  # seconds between sets of the per-step gauges while requests run (each is an IPC round trip)
 SESSION_STATS_INTERVAL = 1.0  # seconds between reads of the store's tiers (the cold one is a directory scan)
+
+
+@dataclass(frozen=True)
+class SequenceCounts:
+    """Where an instance's requests are, each in exactly one place; active = prefilling + decoding."""
+
+    queued: int  # not started: waiting for KV memory (at most max_queue_size), or for a place in the running batch
+    prefilling: int  # in the running batch, prompt being fed (no token yet)
+    decoding: int  # in the running batch, generating
+
+    @property
+    def active(self) -> int:
+        """The running batch: at most max_running_sequences."""
+        return self.prefilling + self.decoding
 
 
 class NullMetrics:
@@ -53,8 +68,14 @@ class ServiceMetrics:
         self.kv_bytes_in_use = gauge("kvpop_kv_bytes_in_use", "KV cache bytes held by running sequences")
         self.kv_bytes_reserved = gauge("kvpop_kv_bytes_reserved", "KV pool bytes reserved by admission")
         self.kv_bytes_capacity = gauge("kvpop_kv_bytes_capacity", "KV pool size of this instance in bytes")
-        self.active = gauge("kvpop_active_sequences", "sequences in the running decode batch")
-        self.queued = gauge("kvpop_queued_sequences", "requests waiting for KV memory")
+        self.sequences = {
+            "active": gauge("kvpop_active_sequences",
+                            "sequences in the running batch, prefilling or decoding (at most max_running_sequences)"),
+            "queued": gauge("kvpop_queued_sequences",
+                            "requests not started: waiting for KV memory or for a place in the running batch"),
+            "prefilling": gauge("kvpop_prefilling_sequences", "sequences in the running batch whose prompt is being fed"),
+            "decoding": gauge("kvpop_decoding_sequences", "sequences in the running batch generating tokens"),
+        }
         prompt = counter("kvpop_prompt_tokens_total", "prompt tokens processed")
         generated = counter("kvpop_generated_tokens_total", "tokens generated")
         self.prompt_tokens = prompt.Metric(labels=labels)
@@ -105,20 +126,20 @@ class ServiceMetrics:
         self._session_prompt = self._session_reused = 0
         self._session_stats_at = 0.0
         self._step_gauges_at = 0.0
-        self._step_counts = (0, 0)  # (active, queued) as last set
+        self._step_counts = SequenceCounts(0, 0, 0)  # as last set
 
-    def observe_step(self, batch_size: int, kv_bytes_in_use: int, kv_bytes_reserved: int, active: int, queued: int) -> None:
+    def observe_step(self, batch_size: int, kv_bytes_in_use: int, kv_bytes_reserved: int, sequences: SequenceCounts) -> None:
         if batch_size:
             self.batch_size.observe(batch_size)
         now = time.monotonic()
-        unchanged = (active, queued) == self._step_counts
-        if unchanged and (active or queued) and now - self._step_gauges_at < STEP_GAUGE_INTERVAL:
-            return  # busy, nothing joined or left: at most every 100 ms; changes and idleness: at once
-        self._step_gauges_at, self._step_counts = now, (active, queued)
+        unchanged = sequences == self._step_counts
+        if unchanged and any(astuple(sequences)) and now - self._step_gauges_at < STEP_GAUGE_INTERVAL:
+            return  # busy, nothing joined, moved or left: at most every 100 ms; changes and idleness: at once
+        self._step_gauges_at, self._step_counts = now, sequences
         self.kv_bytes_in_use.set(kv_bytes_in_use)
         self.kv_bytes_reserved.set(kv_bytes_reserved)
-        self.active.set(active)
-        self.queued.set(queued)
+        for name, gauge in self.sequences.items():
+            gauge.set(getattr(sequences, name))  # `active` is a property: the sum of two of them
 
     def observe_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
@@ -133,6 +154,10 @@ class ServiceMetrics:
         self.latency.observe(latency)
         if time_per_token is not None:
             self.tpot.observe(time_per_token)
+
+    def observe_cancelled_in_queue(self) -> None:
+        """A request whose client left while it waited for KV memory: it finished, cancelled, never started."""
+        self.requests[FinishReason.CANCELLED].increment(1)
 
     def observe_session_turn(self, prompt_tokens: int, tokens_reused: int) -> None:
         self.session_prompt_tokens.increment(prompt_tokens)

@@ -9,6 +9,7 @@ tests and benchmarks start one directly (`with TritonServer(...) as server:`).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
@@ -16,12 +17,16 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
-import psutil
+from kvpop.serving.drain import DRAIN_FILE_ENV, DrainSignal
+from kvpop.serving.state_dir import STATE_DIR_ENV
+from kvpop.serving.stubs import StubProcess, kill_stubs, orphaned_stubs, remove_shm_regions, stub_processes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
@@ -34,50 +39,25 @@ ADMIN_APIS = ("model-repository", "shared-memory", "logging", "trace", "statisti
 ADMIN_KEY_HEADER = "kvpop-admin-key"
 
 
-STUB_BINARY = "triton_python_backend_stub"
-SHM_DIR = Path("/dev/shm")
-
-
 class ProcessStartError(RuntimeError):
     """A process (tritonserver, or a child beside it) cannot be found, started or made ready."""
 
 
-@dataclass(frozen=True)
-class StubProcess:
-    pid: int
-    model: str  # e.g. kvpop_engine (from the stub's model.py path)
-    shm_region: str  # its shared-memory region name in /dev/shm
-
-    @classmethod
-    def from_process(cls, process: psutil.Process) -> "StubProcess | None":
-        try:
-            command = process.cmdline()
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            return None
-        if not command or not command[0].endswith(STUB_BINARY) or len(command) < 3:
-            return None
-        return cls(process.pid, Path(command[1]).parent.parent.name, command[2])
-
-    def is_alive(self) -> bool:
-        try:
-            return psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True)  # resolved here: the forked child only calls it
 
 
-def stub_processes(server_pid: int) -> list[StubProcess]:
-    try:
-        children = psutil.Process(server_pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-    return [stub for stub in map(StubProcess.from_process, children) if stub is not None]
+def die_with_parent(parent_pid: int) -> Callable[[], None]:
+    """A `preexec_fn` that makes the child SIGKILLed when its parent dies (Linux PR_SET_PDEATHSIG),
+    so that a supervisor killed with SIGKILL leaves no child behind. The kernel ties the signal to the
+    thread that forked the child: start it from a thread that lives as long as the parent (the main one)."""
 
+    def set_death_signal() -> None:
+        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent died before the signal was armed
+            os._exit(1)
 
-def remove_shm_regions(regions: list[str]) -> None:
-    """Remove Python-backend shared-memory regions (a crashed stub leaves its region behind)."""
-    for region in regions:
-        for path in SHM_DIR.glob(f"{region}*"):
-            path.unlink(missing_ok=True)
+    return set_death_signal
 
 
 @dataclass(frozen=True)
@@ -156,8 +136,11 @@ class TritonServer:
     log_file: Path | None = None
     extra_args: list[str] = field(default_factory=list)
     admin_key: str | None = None  # guards Triton's admin APIs (header kvpop-admin-key); None: unguarded
-    extra_env: dict[str, str] = field(default_factory=dict)
+    state_dir: Path | None = None  # session checkpoints (kvpop.serving.state_dir); None: run/state under the cwd
+    die_with_parent: bool = False  # SIGKILLed when the process that started it dies (a supervisor's child)
+    drain_file: Path | None = None  # the models' drain signal (kvpop.serving.drain); None: one beside the log
     process: subprocess.Popen | None = None
+    stubs: list[StubProcess] = field(default_factory=list)  # its Python backend stubs, once it was ready
 
     @property
     def http_url(self) -> str:
@@ -205,10 +188,19 @@ class TritonServer:
         env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, library_path))
         # kvpop_service reaches the engine through this server's own gRPC endpoint.
         env["KVPOP_ENGINE_GRPC_URL"] = self.grpc_url
-        env.update(self.extra_env)
+        if self.state_dir is not None:
+            env[STATE_DIR_ENV] = str(Path(self.state_dir).resolve())
+        env[DRAIN_FILE_ENV] = str(self.drain.path)
         return env
 
     def start(self) -> "TritonServer":
+        """Start the server; first kill what an earlier server of this object, or of this model
+        repository, left behind (stubs whose server is gone, and their /dev/shm regions)."""
+        if self.process is not None and self.process.poll() is None:
+            raise ProcessStartError(f"tritonserver (pid {self.process.pid}) is already running")
+        self.stop()
+        kill_stubs(orphaned_stubs(self.model_repository))
+        self.drain.clear()
         installation = find_tritonserver()
         prepare_python_backend_stub()
         if self.log_file:
@@ -219,8 +211,11 @@ class TritonServer:
             env=self.environment(installation),
             stdout=output,
             stderr=subprocess.STDOUT if output else None,
-            start_new_session=True,
+            start_new_session=True,  # its own process group: its stubs are found (and killed) by it
+            preexec_fn=die_with_parent(os.getpid()) if self.die_with_parent else None,
         )
+        if output:
+            output.close()  # the server holds its own copy
         return self
 
     def is_ready(self) -> bool:
@@ -245,39 +240,50 @@ class TritonServer:
             if self.process is not None and self.process.poll() is not None:
                 raise ProcessStartError(f"tritonserver exited with code {self.process.returncode} before it was ready")
             if self.is_ready() and self.metrics_up():
+                self.stubs = stub_processes(self.process.pid)  # every model is loaded: all its stubs exist
                 return
             time.sleep(0.5)
         raise ProcessStartError(f"tritonserver not ready after {timeout:.0f} s")
 
+    @property
+    def drain(self) -> DrainSignal:
+        if self.drain_file is None:
+            scratch = Path(self.log_file).parent if self.log_file else Path(tempfile.gettempdir())
+            self.drain_file = scratch / f"kvpop-drain-{os.getpid()}-{self.http_port}.flag"
+        return DrainSignal(self.drain_file)
+
     def stop(self, timeout: float = 30.0) -> None:
-        """Stop gracefully (SIGINT, Triton's own exit timeout), then make sure nothing is left: no stub
-        process and none of its /dev/shm regions."""
+        """Stop in order, then make sure nothing is left: no stub process (also after the server died on
+        its own) and none of their /dev/shm regions. In order: the models end whatever they still
+        answer (the drain signal with no grace: UNAVAILABLE, retryable), then SIGINT. Without that a
+        decoupled model streaming an answer never unloads, Triton's exit timeout expires and it dies of
+        SIGSEGV with its stubs still running."""
         if self.process is None:
             return
-        regions = self.shm_regions()
         if self.process.poll() is None:
+            self.drain.start(0)
             self.process.send_signal(signal.SIGINT)
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.kill()
                 self.process.wait()
+        self.drain.clear()
         self.kill_leftovers()
-        remove_shm_regions(regions)
-
-    def shm_regions(self) -> list[str]:
-        """The shared-memory regions of this server's Python backend stubs."""
-        return [stub.shm_region for stub in stub_processes(self.process.pid)]
 
     def kill_leftovers(self) -> None:
-        """SIGKILL what is left of the server's process group: a stub orphaned by a crashed server
-        ignores SIGTERM and would hold its shared memory forever."""
+        """SIGKILL the stubs left of the server's process group (one that lost its server mid-request
+        never exits) and remove every region its stubs had."""
         if self.process is None:
             return
+        leftovers = stub_processes(self.process.pid)
         try:
             os.killpg(self.process.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+        kill_stubs(leftovers)  # waits for them and removes their regions
+        remove_shm_regions([stub.shm_region for stub in self.stubs])
+        self.stubs = []
 
     def __enter__(self) -> "TritonServer":
         self.start()

@@ -47,12 +47,15 @@ def _decode_utf8(value: Any, name: str) -> str:
         except UnicodeDecodeError as error:
             raise InvalidRequestError(f"{name} is not valid UTF-8 ({error.reason} at byte {error.start})") from None
     if isinstance(value, str):
+        if not contract.encodable(value):
+            raise InvalidRequestError(f"{name} is not valid UTF-8 text (it holds a lone surrogate)")
         return value
     raise InvalidRequestError(f"{name} must be BYTES (a UTF-8 string), got {type(value).__name__}")
 
 
 def _scalar(name: str, tensor: np.ndarray | None, parameter: Any) -> Any:
-    """One value from a tensor input or, failing that, a request parameter of the same name."""
+    """One value from a tensor input or, failing that, a request parameter of the same name (checked
+    against the input's wire type: kvpop.serving.contract.TensorSpec.check)."""
     kind = SCALAR_INPUTS[name]
     if tensor is not None:
         if tensor.size != 1:
@@ -70,14 +73,16 @@ def _scalar(name: str, tensor: np.ndarray | None, parameter: Any) -> Any:
             raise InvalidRequestError(f"{name} must be {kind.__name__}, got {value!r}") from None
     if parameter is None:
         return None
-    if kind is bool and isinstance(parameter, str):
-        return parameter.strip().lower() in ("1", "true", "yes")
-    if kind is int and isinstance(parameter, float) and not parameter.is_integer():
-        raise InvalidRequestError(f"{name} must be an integer, got {parameter!r}")
+    if kind is bool:
+        return parameter.strip().lower() in ("1", "true", "yes") if isinstance(parameter, str) else bool(parameter)
+    if kind is str:
+        return _decode_utf8(parameter if isinstance(parameter, str) else str(parameter), f"parameter {name}")
     try:
-        return kind(parameter)
-    except (TypeError, ValueError):
-        raise InvalidRequestError(f"parameter {name} must be {kind.__name__}, got {parameter!r}") from None
+        if isinstance(parameter, str):  # benchmark tools send numbers as strings (genai-perf: "max_tokens": "8")
+            parameter = kind(parameter)
+        return contract.SCALAR_INPUTS[name].check(parameter)
+    except ValueError as error:
+        raise InvalidRequestError(f"parameter {name}: {error}") from None
 
 
 def parse_parameters(text: str | None) -> dict[str, Any]:
@@ -85,8 +90,11 @@ def parse_parameters(text: str | None) -> dict[str, Any]:
         return {}
     try:
         parameters = json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         raise InvalidRequestError("request parameters are not valid JSON") from None
+    where = contract.unencodable_at(parameters)
+    if where is not None:
+        raise InvalidRequestError(f"request parameter {where or 'value'} is not valid UTF-8 text (it holds a lone surrogate)")
     return parameters if isinstance(parameters, dict) else {}
 
 
@@ -209,6 +217,8 @@ def parse_request(
     for name in UNSET_WHEN_ZERO:
         if values[name] in (0, 0.0) or (isinstance(values[name], str) and _blank(values[name])):
             values[name] = None
+    if values["kv_budget"] is not None and values["kv_budget"] < 0:
+        raise InvalidRequestError(f"kv_budget must be >= 1 slot per head (0 or absent: the default), got {values['kv_budget']}")
     for name in GUIDED_DECODING_INPUTS:
         guide = get_input(name)
         if guide is not None and any(not _blank(_decode_utf8(item, name)) for item in guide.reshape(-1)):
@@ -302,8 +312,11 @@ def _merge_sampling_parameters(tensor: np.ndarray | None, parameters: dict[str, 
             return parameters
         try:
             sampling = json.loads(text)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             raise InvalidRequestError(f"sampling_parameters is not valid JSON: {text[:40]!r}") from None
+    where = contract.unencodable_at(sampling)
+    if where is not None:
+        raise InvalidRequestError(f"sampling_parameters.{where} is not valid UTF-8 text (it holds a lone surrogate)")
     if not isinstance(sampling, dict):
         raise InvalidRequestError("sampling_parameters must be a JSON object")
     unknown = sorted(set(sampling) - SAMPLING_PARAMETER_KEYS)

@@ -48,7 +48,8 @@ class Placement:
 
 
 class KVpopService:
-    def __init__(self, model_dir: Path, config: ServiceConfig, placement: Placement = Placement("cpu"), metrics=None):
+    def __init__(self, model_dir: Path, config: ServiceConfig, placement: Placement = Placement("cpu"), metrics=None,
+                 state_dir: Path | None = None):
         from transformers import AutoTokenizer
 
         self.config = config
@@ -62,7 +63,7 @@ class KVpopService:
             raise ValueError(f"parameter kvpop_scorer: {error}") from None
         admission = KVPoolAdmission(AdmissionPolicy(config.min_kv_budget, config.max_queue_size))
         self.reservations = KVReservations(self.kv_capacity_bytes, self.decoder.spec)  # outlives engine restarts
-        self.sessions = self._session_store(Path(model_dir), config)
+        self.sessions = self._session_store(Path(model_dir), config, state_dir)
         self.prefixes = PrefixCache()
         self._warm_prefixes()
         self.sessions.on_queue_change = getattr(metrics, "observe_checkpoint_queue", None)
@@ -89,11 +90,12 @@ class KVpopService:
                 engine.warm_prefix(ids, cache)
 
     @staticmethod
-    def _session_store(model_dir: Path, config: ServiceConfig) -> SessionStore:
+    def _session_store(model_dir: Path, config: ServiceConfig, state_dir: Path | None) -> SessionStore:
         """One store per instance, outliving engine restarts; instances of a model share its disk tier.
 
-        `session_dir` is resolved against the model's directory (the parent of the version folder)."""
-        cold_dir = (model_dir.parent / config.session_dir) if config.session_dir else None
+        `session_dir` is resolved against the model's state directory (`state_dir`), never the model
+        repository, which may be read-only; without one there is no disk tier."""
+        cold_dir = (Path(state_dir) / config.session_dir) if config.session_dir and state_dir else None
         limits = TierLimits(
             hot_bytes=config.session_hot_mb * 2**20, warm_bytes=config.session_warm_mb * 2**20, cold_dir=cold_dir,
             cold_bytes=config.session_cold_mb * 2**20, cold_ttl_s=config.session_ttl_s,

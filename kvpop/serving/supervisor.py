@@ -29,8 +29,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Sequence
 
-from kvpop.serving.drain import DRAIN_FILE_ENV, DrainSignal
-from kvpop.serving.process import ProcessStartError, StubProcess, TritonServer, remove_shm_regions, stub_processes
+from kvpop.serving.process import ProcessStartError, TritonServer, die_with_parent
+from kvpop.serving.stubs import StubProcess
 
 RESTART_NOTICE_SECONDS = 0.5  # the front end's watcher polls every 0.1 s
 RESTART_NOTICE_MAX_SECONDS = 5.0  # a loaded machine may need longer to answer what the front end holds
@@ -70,6 +70,7 @@ class ChildProcess:
     ready_url: str | None = None  # answers 200 once the child serves; None: ready when started
     env: dict[str, str] = field(default_factory=dict)
     log_file: Path | None = None
+    die_with_parent: bool = False  # SIGKILLed when the process that started it dies (a supervisor's child)
     process: subprocess.Popen | None = None
 
     def start(self, timeout: float = 120.0) -> None:
@@ -77,7 +78,8 @@ class ChildProcess:
         try:
             self.process = subprocess.Popen(self.command, env={**os.environ, **self.env}, stdout=output,
                                             stderr=subprocess.STDOUT if output else None, stdin=subprocess.DEVNULL,
-                                            start_new_session=True)
+                                            start_new_session=True,
+                                            preexec_fn=die_with_parent(os.getpid()) if self.die_with_parent else None)
         finally:
             if output:
                 output.close()  # the child holds its own copy
@@ -131,15 +133,22 @@ class Supervisor:
         drain_file = drain_file or Path(server.log_file or "run/tritonserver.log").with_name(
             f"drain-{server.http_port}.flag")
         drain_file.parent.mkdir(parents=True, exist_ok=True)
-        self.drain = DrainSignal(drain_file)
+        server.drain_file = drain_file
+        self.drain = server.drain
         self.drain.clear()
-        server.extra_env[DRAIN_FILE_ENV] = str(drain_file)
+        # Nothing it starts may outlive it, even when it is killed with SIGKILL (a service manager whose
+        # stop timeout ran out): every start happens on the thread that runs `run`, the main one.
+        for process in (server, *self.children):
+            process.die_with_parent = True
         self.state = "starting"  # starting | ready | restarting | draining | stopped
         self.restarts: list[dict] = []  # what died and how long the recovery took
-        self.stubs: list[StubProcess] = []
         self._stop_requested = threading.Event()
         self._heartbeat = time.monotonic()
         self._health: ThreadingHTTPServer | None = None
+
+    @property
+    def stubs(self) -> list[StubProcess]:
+        return self.server.stubs
 
     # -- health endpoints ------------------------------------------------------------------------
     def status(self) -> dict:
@@ -245,8 +254,6 @@ class Supervisor:
         self.state = "starting"
         self.server.start()
         self.server.wait_ready()
-        # Stubs start while models load: once the server is ready every one of them exists.
-        self.stubs = stub_processes(self.server.process.pid)
 
     def _restart(self, reason: str) -> None:
         started = time.monotonic()
@@ -303,11 +310,8 @@ class Supervisor:
         self._log("stopped")
 
     def _stop_server(self, force: bool = False) -> None:
-        """Stop the server, then kill whatever of its process group is left and clean /dev/shm."""
-        regions = [stub.shm_region for stub in self.stubs]  # a dead stub's region too
+        """Stop the server; it kills whatever of its process group is left and cleans /dev/shm."""
         self.server.stop(timeout=2 if force else 30)
-        remove_shm_regions(regions)
-        self.stubs = []
 
     def _stop_children(self) -> None:
         for child in reversed(self.children):

@@ -20,9 +20,8 @@ from kvpop.engine import Engine
 from kvpop.request import NO_TOKEN, TokenEvent
 from kvpop.serving.admission import Admission, KVPoolAdmission, OverloadedError
 from kvpop.serving.contract import ErrorKind
-from kvpop.serving.detokenizer import IncrementalDetokenizer
 from kvpop.serving.drain import DrainSignal
-from kvpop.serving.metrics import NullMetrics
+from kvpop.serving.metrics import NullMetrics, SequenceCounts
 from kvpop.serving.request import InvalidRequestError, ParsedRequest
 from kvpop.serving.responses import output_tensors
 
@@ -43,16 +42,16 @@ class _Pending:
     channel: ResponseChannel
     prefill_slots: int = 0  # what its prefill holds beyond its cache until its first token (CacheManager.prefill_slots)
     arrived: float = field(default_factory=time.perf_counter)
+    cancel_checked_at: float = 0.0  # perf_counter of the last is_cancelled() (an IPC round trip in Triton)
 
 
 @dataclass
 class _Active:
     pending: _Pending
     admission: Admission
-    detokenizer: IncrementalDetokenizer
+    generated: int = 0  # tokens generated so far
     first_token_at: float | None = None
     cancel_sent: bool = False
-    cancel_checked_at: float = 0.0  # perf_counter of the last is_cancelled() (an IPC round trip in Triton)
 
 
 class EngineWorker:
@@ -144,8 +143,16 @@ class EngineWorker:
 
     def _step(self) -> None:
         with self._condition:
+            left = self._take_cancelled_locked()
             admitted = self._ready + self._admit_locked()
             self._ready = []
+        for pending in left:
+            self.metrics.observe_cancelled_in_queue()
+            try:
+                prompt_tokens = len(pending.parsed.generation.prompt_ids)
+                pending.channel.send(output_tensors("", [], "cancelled", prompt_tokens, 0), final=True)
+            except Exception:  # the client is gone
+                pass
         for active in admitted:
             self._start(active)
         if self.drain.deadline_passed() and (self._active or self._queue):
@@ -166,14 +173,15 @@ class EngineWorker:
         in_use = self.engine.cache_manager.observe_in_use()  # the hot session tier lives in the KV pool too
         if self.engine.sessions is not None:
             self.metrics.observe_sessions(self.engine.sessions)
-        with self._condition:
-            reserved, queued = self.engine.cache_manager.reserved_bytes, len(self._queue)
+        with self._condition:  # not started: waiting for KV memory, or admitted since this step began
+            reserved, queued = self.engine.cache_manager.reserved_bytes, len(self._queue) + len(self._ready)
+        state = self.engine.state()  # its `waiting`: KV memory reserved, no place in the running batch yet
         self.metrics.observe_step(
             batch_size=sum(1 for event in events if event.token_id != NO_TOKEN),  # sequences that got a token
             kv_bytes_in_use=in_use,
             kv_bytes_reserved=reserved,
-            active=len(self._active),
-            queued=queued,
+            sequences=SequenceCounts(queued=queued + len(state.waiting), prefilling=len(state.prefilling),
+                                     decoding=len(state.decoding)),
         )
         if not events and not self.engine.num_running:
             # Only requests waiting for KV memory: nothing to compute until one finishes or leaves.
@@ -202,19 +210,26 @@ class EngineWorker:
             self.engine.cancel(request_id)
             self._finish_with_error(request_id, message, ErrorKind.OVERLOADED)
 
+    def _take_cancelled_locked(self) -> list[_Pending]:
+        """Remove the queued requests whose client went away: they never take KV memory or compute."""
+        now, kept, left = time.perf_counter(), deque(), []
+        for pending in self._queue:
+            (left if self._client_left(pending, now) else kept).append(pending)
+        self._queue = kept
+        return left
+
+    def _client_left(self, pending: _Pending, now: float) -> bool:
+        """Whether the request was cancelled, asking at most every cancel_check_interval."""
+        if now - pending.cancel_checked_at < self._cancel_check_interval:
+            return False
+        pending.cancel_checked_at = now
+        return pending.channel.is_cancelled()
+
     def _admit_locked(self) -> list[_Active]:
         """Move queue-head requests that fit the KV pool into the engine (FIFO: no overtaking)."""
         admitted = []
         while self._queue:
             pending = self._queue[0]
-            if pending.channel.is_cancelled():
-                self._queue.popleft()
-                try:
-                    prompt_tokens = len(pending.parsed.generation.prompt_ids)
-                    pending.channel.send(output_tensors("", [], "cancelled", prompt_tokens, 0), final=True)
-                except Exception:  # the client is gone
-                    pass
-                continue
             admission = self.admission.try_admit(self.engine.cache_manager, pending.parsed.generation, pending.prefill_slots)
             if admission is None:
                 break
@@ -225,7 +240,7 @@ class EngineWorker:
     def _activate(self, pending: _Pending, admission: Admission) -> _Active:
         if admission.degraded_from is not None:
             self.metrics.observe_degraded()
-        return _Active(pending, admission, IncrementalDetokenizer(self.tokenizer))
+        return _Active(pending, admission)
 
     def _release(self, request_id: str) -> None:
         with self._condition:
@@ -246,12 +261,10 @@ class EngineWorker:
         self._active[request.request_id] = active
 
     def _apply_cancellations(self) -> None:
+        """Cancel in the engine what its clients left: waiting for a place in the batch, prefilling or decoding."""
         now = time.perf_counter()
         for request_id, active in self._active.items():
-            if active.cancel_sent or now - active.cancel_checked_at < self._cancel_check_interval:
-                continue
-            active.cancel_checked_at = now
-            if active.pending.channel.is_cancelled():
+            if not active.cancel_sent and self._client_left(active.pending, now):
                 self.engine.cancel(request_id)
                 active.cancel_sent = True
 
@@ -263,9 +276,8 @@ class EngineWorker:
             return
         now = time.perf_counter()
         parsed = active.pending.parsed
-        delta = ""
         if event.token_id != NO_TOKEN:
-            delta = active.detokenizer.push(event.token_id)
+            active.generated += 1
             if active.first_token_at is None:
                 active.first_token_at = now
                 self.metrics.observe_first_token(now - active.pending.arrived)
@@ -273,8 +285,8 @@ class EngineWorker:
                     self.engine.cache_manager.prefill_done(event.request_id)
         if not event.finished:
             if parsed.stream:
-                tensors = output_tensors(delta, [event.token_id], None, len(parsed.generation.prompt_ids),
-                                         len(active.detokenizer.token_ids))
+                tensors = output_tensors(event.text, [event.token_id], None, len(parsed.generation.prompt_ids),
+                                         active.generated)
                 try:
                     active.pending.channel.send(tensors, final=False)
                 except Exception:  # the client went away: free its slots at the next step
@@ -284,15 +296,14 @@ class EngineWorker:
         del self._active[event.request_id]
         self._release(event.request_id)
         result = self.engine.result(event.request_id)
-        tail = active.detokenizer.flush()
         if parsed.stream:
             ids = [event.token_id] if event.token_id != NO_TOKEN else []
-            tensors = output_tensors(delta + tail, ids, result.finish_reason, len(result.prompt_ids), len(result.output_ids), result)
+            tensors = output_tensors(event.text, ids, result.finish_reason, len(result.prompt_ids), len(result.output_ids), result)
         else:
-            ids = list(result.output_ids)
+            ids, text = list(result.output_ids), result.text  # the text ends before a stop string; the ids count every token
             if parsed.echo_prompt:  # exclude_input_in_output=false (TensorRT-LLM): prompt, then answer
                 ids = list(result.prompt_ids) + ids
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                text = self.tokenizer.decode(result.prompt_ids, skip_special_tokens=True) + text
             tensors = output_tensors(text, ids, result.finish_reason, len(result.prompt_ids), len(result.output_ids), result)
         generated = len(result.output_ids)
         time_per_token = (now - active.first_token_at) / (generated - 1) if active.first_token_at and generated > 1 else None

@@ -222,10 +222,10 @@ def stall_probe(url: str, system: str, vocab: int, stream_tokens: int) -> dict:
 
 def start_triton(model_dir: Path, root: Path, parameters: dict[str, str], log: Path, config_name: str | None = "cpu"):
     """`config_name`: the kvpop_engine config (`cpu`, `single_gpu`, None for the two-GPU config.pbtxt)."""
+    from export.repository import assemble_model_repository
     from kvpop.serving.process import TritonServer, free_port
-    from tests.e2e.conftest import build_model_repository
 
-    build_model_repository(root, model_dir, parameters)
+    assemble_model_repository(root, model_dir, parameters)
     server = TritonServer(
         model_repository=root, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
         address="127.0.0.1", model_config_name=config_name, log_file=log,

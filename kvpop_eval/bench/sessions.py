@@ -163,13 +163,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reply-tokens", type=int, default=32)
     args = parser.parse_args(argv)
 
+    from export.repository import assemble_model_repository
     from kvpop.serving.process import TritonServer, free_port
-    from tests.e2e.conftest import build_model_repository
 
     spec = json.loads((args.model / "model_spec.json").read_text())
     turns = user_turns(args.turns, args.system_tokens, args.user_tokens, spec["vocab_size"])
     with tempfile.TemporaryDirectory(prefix="kvpop-session-bench-") as scratch:
-        root = build_model_repository(Path(scratch) / "models", args.model)
+        root = assemble_model_repository(Path(scratch) / "models", args.model)
         server = TritonServer(model_repository=root, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                               address="127.0.0.1", model_config_name="cpu", log_file=Path(scratch) / "triton.log")
         with server:

@@ -80,6 +80,7 @@ def evaluate(
 KVPOP_VARIANTS = {
     "query": {"query_window": query.WINDOW, "span_pooling": query.SPAN_POOLING},  # on, whatever the model ships
     "noquery": {"query_window": 0},  # the learned ranking alone, prompt spans as the scorer was trained
+    "recency": {"fill": "recency"},  # the question's picks with the newest tokens in the other slots (no learned ranking)
 }
 
 

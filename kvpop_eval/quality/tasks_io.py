@@ -46,6 +46,18 @@ def scorer(name: str) -> Callable[[str, Any], bool]:
     return lambda generated, answer: exact_match(generated, str(answer))
 
 
+def task_judge(name: str) -> Callable[[str, dict], bool]:
+    """Whether a generated text answers a task: `scorer(name)` on its "answer"; `fact` is `contains` that also
+    refuses a text naming any of the task's same-kind "distractors" (a near-miss number, the old value of
+    a changed one): an answer that lists every candidate says nothing."""
+    if name == "fact":
+        contains = scorer("contains")
+        return lambda generated, task: contains(generated, task["answer"]) and not any(
+            str(item) in generated for item in task.get("distractors", ()))
+    check = scorer(name)
+    return lambda generated, task: check(generated, task["answer"])
+
+
 def encode(tokenizer: Any, prompt: str) -> list[int]:
     """The tokenizer's ids with BOS first (the engine's prompt sequence)."""
     ids = list(tokenizer(prompt)["input_ids"])

@@ -1,42 +1,29 @@
 """A real tritonserver on free loopback ports, serving the repository's kvpop_service with a tiny model.
 
-The model repository is assembled in a temporary folder from the committed config and model.py plus
-a freshly exported tiny Llama, so the tests never touch (or depend on) `make export`'s output.
+The model repository is assembled in a temporary folder from the committed configs and model.py files
+plus a freshly exported tiny Llama (export.repository), so the tests never touch (or depend on) `make
+export`'s output.
 """
 
 from __future__ import annotations
 
+import os
 import re
-import shutil
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
+from export.repository import assemble_model_repository
 from kvpop.serving.process import TritonServer, free_port
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 
-
-def build_model_repository(root: Path, exported_model: Path, engine_parameters: dict[str, str] | None = None) -> Path:
-    """The committed models (configs and model.py files) with the exported model in kvpop_engine/1."""
-    shutil.copytree(MODEL_REPOSITORY, root, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
-    version = root / "kvpop_engine" / "1"
-    # Leave out what `make export` wrote into the checkout (e.g. SmolLM2's tokenizer/chat_template.jinja
-    # would otherwise survive the merge below and give the tiny model SmolLM2's chat template).
-    for exported in version.iterdir():
-        if exported.name != "model.py":
-            shutil.rmtree(exported) if exported.is_dir() else exported.unlink()
-    shutil.copytree(exported_model, version, dirs_exist_ok=True)
-    for config in [root / "kvpop_engine" / "config.pbtxt", *(root / "kvpop_engine" / "configs").glob("*.pbtxt")]:
-        text = config.read_text()
-        for key, value in (engine_parameters or {}).items():
-            text, count = re.subn(
-                rf'(key: "{key}" value: {{ string_value: )"[^"]*"', rf'\1"{value}"', text
-            )
-            assert count == 1, f"parameter {key} not in {config}"
-        config.write_text(text)
-    return root
+def checkpoint_dir(server: TritonServer) -> Path:
+    """Where `server`'s engine writes its session checkpoints (its state directory, never the model repository)."""
+    return Path(server.state_dir) / "kvpop_engine" / "sessions"
 
 
 def wait_for_checkpoint(sessions_dir: Path, session_id: str, tokens: int, timeout: float = 30.0) -> Path:
@@ -79,7 +66,7 @@ TEST_ENGINE_PARAMETERS = {
 @pytest.fixture(scope="session")
 def triton_server(tmp_path_factory, tiny_onnx_model_dir):
     root = tmp_path_factory.mktemp("model_repository")
-    build_model_repository(root, tiny_onnx_model_dir, TEST_ENGINE_PARAMETERS)
+    assemble_model_repository(root, tiny_onnx_model_dir, TEST_ENGINE_PARAMETERS)
     log_file = tmp_path_factory.mktemp("logs") / "tritonserver.log"
     server = TritonServer(
         model_repository=root,
@@ -90,6 +77,7 @@ def triton_server(tmp_path_factory, tiny_onnx_model_dir):
         model_config_name="cpu",
         log_file=log_file,
         admin_key="e2e-admin-key",
+        state_dir=tmp_path_factory.mktemp("state"),
     )
     try:
         with server:
@@ -115,14 +103,13 @@ def kvpop_grpc(triton_server):
         yield client
 
 
-@pytest.fixture
-def metrics(triton_server):
-    """Read the server's Prometheus samples: all of them, or one metric summed over the label sets
-    that include the given labels, e.g. metrics("kvpop_requests_total", finish_reason="cancelled")."""
+def metric_reader(metrics_url: str):
+    """Read a server's Prometheus samples: all of them, or one metric summed over the label sets that
+    include the given labels, e.g. read("kvpop_requests_total", finish_reason="cancelled")."""
     from kvpop_client import KVpopClient
 
     def read(name: str | None = None, **labels: str):
-        samples = KVpopClient.metrics(triton_server.metrics_url)
+        samples = KVpopClient.metrics(metrics_url)
         if name is None:
             return samples
         total = 0.0
@@ -134,3 +121,43 @@ def metrics(triton_server):
         return total
 
     return read
+
+
+@pytest.fixture
+def metrics(triton_server):
+    """The shared server's metrics (metric_reader)."""
+    return metric_reader(triton_server.metrics_url)
+
+
+def start_api(triton_server, env: dict[str, str] | None = None, *args: str, log: Path | None = None):
+    """`python -m kvpop.openai_api` against `triton_server` on a free port: (process, base URL) once healthy."""
+    port = free_port()
+    output = open(log, "wb") if log is not None else subprocess.DEVNULL
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvpop.openai_api", "--port", str(port), "--triton-grpc", triton_server.grpc_url, *args],
+        env={**os.environ, **(env or {})}, stdout=output, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as response:
+                if response.status == 200:
+                    return process, url
+        except OSError:
+            time.sleep(0.2)
+    process.kill()
+    raise AssertionError("the OpenAI API did not become healthy")
+
+
+@pytest.fixture(scope="session")
+def openai_api_log(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("openai-api") / "openai_api.log"
+
+
+@pytest.fixture(scope="session")
+def openai_api(triton_server, openai_api_log):
+    """The OpenAI-compatible API (no key) against the shared server, its output in `openai_api_log`."""
+    process, url = start_api(triton_server, {"KVPOP_OPENAI_API_KEY": ""}, log=openai_api_log)
+    yield url
+    process.terminate()
+    process.wait(40)  # uvicorn gives open connections up to 30 s

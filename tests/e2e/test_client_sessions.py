@@ -11,6 +11,8 @@ import sys
 import numpy as np
 import pytest
 
+from e2e.conftest import checkpoint_dir
+
 pytestmark = pytest.mark.server
 PROMPT = np.random.default_rng(77).integers(3, 250, 60).tolist()
 
@@ -27,7 +29,7 @@ def test_a_client_session_reuses_each_turn_and_closing_forgets_it(kvpop_http, kv
         third = session.generate(third_prompt, max_tokens=4, ignore_eos=True)
         assert third.tokens_reused == len(second_prompt) + 3
         assert third.output_ids == client.generate(third_prompt, max_tokens=4, ignore_eos=True, eviction_policy="full").output_ids
-    sessions_dir = triton_server.model_repository / "kvpop_engine" / "sessions"
+    sessions_dir = checkpoint_dir(triton_server)
     assert session.closed and not checkpoint_of(sessions_dir, session.id).exists()
     again = client.generate(third_prompt + third.output_ids + [5], max_tokens=2, eviction_policy="full", session_id=session.id)
     assert again.tokens_reused == 0  # closed: forgotten on the server
@@ -76,7 +78,7 @@ def test_cli_chat_keeps_one_session_across_turns_and_closes_it_at_the_end(triton
     # (the same conversation, re-rendered) reuses all of it and computes only the new lines.
     for (reused_before, computed_before), (reused, computed) in zip(counts, counts[1:]):
         assert reused == reused_before + computed_before and computed > 0, counts
-    sessions_dir = triton_server.model_repository / "kvpop_engine" / "sessions"
+    sessions_dir = checkpoint_dir(triton_server)
     assert not checkpoint_of(sessions_dir, session_id).exists()  # closed when stdin ended
 
     plain = subprocess.run(command + ["--no-session"], input=turns, capture_output=True, text=True, timeout=120)

@@ -14,8 +14,8 @@ pytestmark = pytest.mark.server
 
 METRIC_NAMES = [
     "kvpop_kv_bytes_in_use", "kvpop_kv_bytes_reserved", "kvpop_kv_bytes_capacity", "kvpop_active_sequences",
-    "kvpop_queued_sequences", "kvpop_prompt_tokens_total", "kvpop_generated_tokens_total",
-    "kvpop_evicted_tokens_total", "kvpop_requests_total", "kvpop_rejected_requests_total",
+    "kvpop_queued_sequences", "kvpop_prefilling_sequences", "kvpop_decoding_sequences", "kvpop_prompt_tokens_total",
+    "kvpop_generated_tokens_total", "kvpop_evicted_tokens_total", "kvpop_requests_total", "kvpop_rejected_requests_total",
     "kvpop_compression_ratio_count", "kvpop_time_to_first_token_seconds_count",
     "kvpop_time_per_output_token_seconds_count", "kvpop_request_latency_seconds_count", "kvpop_batch_size_count",
 ]

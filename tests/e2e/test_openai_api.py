@@ -6,9 +6,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import os
-import subprocess
-import sys
+import re
 import time
 import urllib.request
 
@@ -16,7 +14,7 @@ import numpy as np
 import openai
 import pytest
 
-from kvpop.serving.process import free_port
+from tests.e2e.conftest import start_api
 
 pytestmark = pytest.mark.server
 
@@ -26,35 +24,9 @@ MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "c
 LONG_PROMPT = " ".join(f"Fact {index}: the value of x{index} is {index * 7}." for index in range(12))
 
 
-def start_api(triton_server, env: dict[str, str] | None = None):
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "kvpop.openai_api", "--port", str(port), "--triton-grpc", triton_server.grpc_url],
-        env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as response:
-                if response.status == 200:
-                    return process, url
-        except OSError:
-            time.sleep(0.2)
-    process.kill()
-    raise AssertionError("the OpenAI API did not become healthy")
-
-
 @pytest.fixture(scope="module")
-def api(triton_server):
-    process, url = start_api(triton_server, {"KVPOP_OPENAI_API_KEY": ""})
-    yield url
-    process.terminate()
-    process.wait(10)
-
-
-@pytest.fixture(scope="module")
-def client(api):
-    return openai.OpenAI(base_url=api + "/v1", api_key="unused", max_retries=0)
+def client(openai_api):
+    return openai.OpenAI(base_url=openai_api + "/v1", api_key="unused", max_retries=0)
 
 
 def test_models_lists_the_engine(client):
@@ -108,9 +80,9 @@ def test_completions_stream_and_not(client):
     assert streamed == complete.choices[0].text
 
 
-def test_async_client(api):
+def test_async_client(openai_api):
     async def run():
-        async with openai.AsyncOpenAI(base_url=api + "/v1", api_key="unused", max_retries=0) as aclient:
+        async with openai.AsyncOpenAI(base_url=openai_api + "/v1", api_key="unused", max_retries=0) as aclient:
             answers = await asyncio.gather(*(aclient.chat.completions.create(
                 model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0) for _ in range(3)))
             stream = await aclient.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5,
@@ -169,11 +141,11 @@ def wait_until_cancelled(metrics, cancelled_before: float, timeout: float = 30.0
         time.sleep(0.2)
 
 
-def test_a_client_that_disconnects_mid_stream_frees_its_slots(api, metrics):
+def test_a_client_that_disconnects_mid_stream_frees_its_slots(openai_api, metrics):
     cancelled = metrics("kvpop_requests_total", finish_reason="cancelled")
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4000, "stream": True, "ignore_eos": True,
             "eviction_policy": "streaming", "kv_budget": 64}
-    host, port = api.removeprefix("http://").split(":")
+    host, port = openai_api.removeprefix("http://").split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=30)
     connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
     response = connection.getresponse()
@@ -186,11 +158,11 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slots(api, metrics):
     assert metrics("kvpop_active_sequences") == 0
 
 
-def test_a_client_that_stops_waiting_for_a_complete_answer_frees_its_slots(api, metrics):
+def test_a_client_that_stops_waiting_for_a_complete_answer_frees_its_slots(openai_api, metrics):
     cancelled = metrics("kvpop_requests_total", finish_reason="cancelled")
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4000, "ignore_eos": True,
             "eviction_policy": "streaming", "kv_budget": 64}
-    host, port = api.removeprefix("http://").split(":")
+    host, port = openai_api.removeprefix("http://").split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=30)
     connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
     deadline = time.monotonic() + 30
@@ -247,3 +219,113 @@ def test_triton_openai_frontend_request_format(triton_server, stream):
     assert last.as_numpy("num_input_tokens").reshape(-1)[0] > 0
     assert 1 <= last.as_numpy("num_output_tokens").reshape(-1)[0] <= 5
     assert "".join(texts) or last.as_numpy("finish_reason").reshape(-1)[0] == b"stop"
+
+
+def raw(openai_api: str, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+    """(status, decoded JSON body) of one request sent as is."""
+    host = openai_api.removeprefix("http://")
+    connection = http.client.HTTPConnection(host, timeout=60)
+    connection.request(method, path, body, {"Content-Type": "application/json", **(headers or {})})
+    response = connection.getresponse()
+    data = response.read()
+    connection.close()
+    return response.status, json.loads(data)
+
+
+def assert_openai_error(status: int, answer: dict, expected_status: int, param: str | None = "any") -> dict:
+    assert status == expected_status, answer
+    error = answer["error"]
+    assert set(answer) == {"error"} and set(error) == {"message", "type", "param", "code"}, answer
+    assert error["message"] and error["type"] in ("invalid_request_error", "service_unavailable"), answer
+    if param != "any":
+        assert error["param"] == param, answer
+    return error
+
+
+CHAT = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
+SURROGATE = "\ud800"
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"model": MODEL, "prompt": "a" + SURROGATE, "max_tokens": 2}, "prompt"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": SURROGATE}]}, "messages.0.content"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": SURROGATE}]}]},
+     "messages.0.content.0.text"),
+    ("/v1/chat/completions", {**CHAT, "stop": ["ok", SURROGATE]}, "stop.1"),
+    ("/v1/chat/completions", {**CHAT, "session_id": "s" + SURROGATE}, "session_id"),
+    ("/v1/chat/completions", {**CHAT, "eviction_policy": SURROGATE}, "eviction_policy"),
+    ("/v1/chat/completions", {**CHAT, "user": SURROGATE}, "user"),
+    ("/v1/chat/completions", {**CHAT, SURROGATE: 1}, "\\ud800"),
+])
+def test_a_lone_surrogate_in_any_string_is_a_400(openai_api, path, body, param):
+    data = json.dumps(body).encode()  # json.dumps escapes the surrogate: "\ud800", as any client would send it
+    assert b"\\ud800" in data
+    assert_openai_error(*raw(openai_api, "POST", path, data), 400, param)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_tokens", 2**63), ("max_tokens", 2**32 + 3), ("max_tokens", True), ("max_completion_tokens", 2**32 + 3),
+    ("kv_budget", 2**32 + 100), ("kv_budget", 2**32 - 1), ("kv_budget", -5), ("kv_budget", True), ("seed", 2**64),
+    ("temperature", True), ("compression_ratio", 1e39), ("top_p", False),
+])
+def test_an_integer_its_wire_type_cannot_carry_is_a_400_naming_the_field(openai_api, field, value):
+    body = {**CHAT, "eviction_policy": "streaming", field: value}
+    assert_openai_error(*raw(openai_api, "POST", "/v1/chat/completions", json.dumps(body).encode()), 400, field)
+
+
+def test_kv_budget_zero_means_the_default_budget_as_on_every_route(openai_api, kvpop_http):
+    body = {**CHAT, "eviction_policy": "streaming", "kv_budget": 0, "max_tokens": 1}
+    status, answer = raw(openai_api, "POST", "/v1/chat/completions", json.dumps(body).encode())
+    served = kvpop_http.chat(MESSAGES, max_tokens=1, eviction_policy="streaming", kv_budget=0)
+    assert status == 200 and answer["kvpop"]["kv_budget"] == served.kv_budget == 128  # TEST_ENGINE_PARAMETERS
+
+
+@pytest.mark.parametrize("method, path, body, status", [
+    ("POST", "/v1/chat/completions", b"{\"model\": " + b"[" * 100_000 + b"]" * 100_000 + b"}", 400),
+    ("POST", "/v1/chat/completions", b"{\"model\": \"kvpop_engine\", \"messages\": \"\xff\xfe\"}", 400),
+    ("POST", "/v1/chat/completions", b"{\"model\": \"kvpop_engine\",", 400),
+    ("POST", "/v1/chat/completions", b"[1, 2]", 400),
+    ("GET", "/v1/chat/completions", None, 405),
+    ("DELETE", "/v1/models", None, 405),
+    ("POST", "/v1/no/such/route", b"{}", 404),
+    ("GET", "/v1/", None, 404),
+])
+def test_every_error_has_openai_s_body(openai_api, method, path, body, status):
+    error = assert_openai_error(*raw(openai_api, method, path, body), status)
+    assert error["param"] is None or not error["param"].isdigit()  # never a byte offset
+
+
+def test_a_body_over_the_limit_is_refused_before_it_reaches_triton(openai_api, triton_server, metrics):
+    """413 with OpenAI's body, whether the client declares the size or streams the body in chunks."""
+    before = metrics("nv_inference_request_success") + metrics("nv_inference_request_failure")
+    big = json.dumps({**CHAT, "messages": [{"role": "user", "content": "x" * (5 * 2**20)}]}).encode()
+    error = assert_openai_error(*raw(openai_api, "POST", "/v1/chat/completions", big), 413)
+    assert error["code"] == "request_too_large"
+    host, port = openai_api.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    connection.request("POST", "/v1/chat/completions", (big[i : i + 65536] for i in range(0, len(big), 65536)),
+                       {"Content-Type": "application/json", "Transfer-Encoding": "chunked"}, encode_chunked=True)
+    response = connection.getresponse()
+    assert_openai_error(response.status, json.loads(response.read()), 413)
+    connection.close()
+    assert metrics("nv_inference_request_success") + metrics("nv_inference_request_failure") == before
+
+
+def route_series(openai_api: str) -> set[tuple[str, str]]:
+    with urllib.request.urlopen(openai_api + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return set(re.findall(r'kvpop_openai_requests_total\{route="([^"]*)",status="(\d+)"\}', text))
+
+
+def test_request_metrics_are_labelled_by_route_template(openai_api):
+    """Any path a client makes up counts under one label: random paths make no new series."""
+    raw(openai_api, "GET", "/v1/models/some-model")
+    raw(openai_api, "GET", "/v1/no-such-path")
+    before = route_series(openai_api)
+    assert ("/v1/models/{model}", "404") in before and ("unknown", "404") in before
+    for index in range(50):
+        raw(openai_api, "GET", f"/v1/models/random-{index}")
+        raw(openai_api, "POST", f"/v1/random/{index}/path", b"{}")
+    after = route_series(openai_api)
+    assert after == before and {route for route, _ in after} <= {
+        "/v1/models", "/v1/models/{model}", "/v1/chat/completions", "/v1/completions", "unknown"}

@@ -22,14 +22,16 @@ def warm_server(tmp_path_factory, tiny_onnx_model_dir):
     from kvpop.serving.process import TritonServer, free_port
     from kvpop_client import KVpopClient
 
-    from e2e.conftest import TEST_ENGINE_PARAMETERS, build_model_repository
+    from e2e.conftest import TEST_ENGINE_PARAMETERS
+    from export.repository import assemble_model_repository
 
     prefixes = json.dumps([PREFIX_TEXT, SYSTEM])
     assert "\\" not in prefixes  # quotes are escaped for config.pbtxt below; backslashes would need more
     parameters = {**TEST_ENGINE_PARAMETERS, "warm_prefixes": prefixes.replace('"', '\\"')}
-    root = build_model_repository(tmp_path_factory.mktemp("prefixes"), tiny_onnx_model_dir, parameters)
+    root = assemble_model_repository(tmp_path_factory.mktemp("prefixes"), tiny_onnx_model_dir, parameters)
     server = TritonServer(model_repository=root, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                          address="127.0.0.1", model_config_name="cpu", log_file=root / "triton.log")
+                          address="127.0.0.1", model_config_name="cpu", log_file=root / "triton.log",
+                          state_dir=tmp_path_factory.mktemp("prefixes-state"))
     with server, KVpopClient(server.grpc_url, "grpc") as client:
 
         def metric(name: str) -> float:

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from e2e.conftest import wait_for_checkpoint
+from e2e.conftest import checkpoint_dir, wait_for_checkpoint
 
 pytestmark = pytest.mark.server
 MIB = 2**20
@@ -28,14 +28,16 @@ def tiered(tmp_path_factory, tiny_onnx_model_dir):
     from kvpop.serving.process import TritonServer, free_port
     from kvpop_client import KVpopClient
 
-    from e2e.conftest import TEST_ENGINE_PARAMETERS, build_model_repository
+    from e2e.conftest import TEST_ENGINE_PARAMETERS
+    from export.repository import assemble_model_repository
 
     parameters = {**TEST_ENGINE_PARAMETERS, "kv_pool_mb": "2", "session_hot_mb": "1", "session_warm_mb": "1",
                   "max_prompt_tokens": "1024", "max_queue_size": "4"}
-    root = build_model_repository(tmp_path_factory.mktemp("tiers"), tiny_onnx_model_dir, parameters)
+    root = assemble_model_repository(tmp_path_factory.mktemp("tiers"), tiny_onnx_model_dir, parameters)
     log_file = root / "triton.log"
     server = TritonServer(model_repository=root, http_port=free_port(), grpc_port=free_port(),
-                          metrics_port=free_port(), address="127.0.0.1", model_config_name="cpu", log_file=log_file)
+                          metrics_port=free_port(), address="127.0.0.1", model_config_name="cpu", log_file=log_file,
+                          state_dir=tmp_path_factory.mktemp("tiers-state"))
     with server, KVpopClient(server.grpc_url, "grpc") as client:
 
         def metric(name: str, **labels: str) -> float:
@@ -71,7 +73,7 @@ def test_more_sessions_than_fit_in_memory_spill_to_disk_and_the_oldest_comes_bac
     warm_entries = metric("kvpop_session_entries", tier="warm")
     # each session in warm left hot once; each one only on disk left hot and then warm
     assert metric("kvpop_session_demotions_total") - demotions >= warm_entries + 2 * (SESSIONS - in_memory)
-    sessions_dir = server.model_repository / "kvpop_engine" / "sessions"
+    sessions_dir = checkpoint_dir(server)
     assert len(list(sessions_dir.glob("*.safetensors"))) >= SESSIONS
 
     # The oldest session is only on disk now: continuing it reads the checkpoint (a cold hit) and
@@ -95,7 +97,7 @@ def test_a_checkpoint_from_another_model_is_refused_and_the_server_stays_up(tier
 
     server, client, metric, refresh = tiered
     first = client.generate(prompt_of(50, 40), max_tokens=4, ignore_eos=True, session_id="foreign")
-    sessions_dir = server.model_repository / "kvpop_engine" / "sessions"
+    sessions_dir = checkpoint_dir(server)
     path = wait_for_checkpoint(sessions_dir, "foreign", 40 + 3)
     fingerprint = _header_metadata(path.read_bytes())["fingerprint"]
     state = read_checkpoint(path, owner=path.stem, fingerprint=fingerprint)

@@ -9,7 +9,7 @@ import pytest
 
 from kvpop_client import KVpopServerError
 
-from e2e.conftest import wait_for_checkpoint
+from e2e.conftest import checkpoint_dir, wait_for_checkpoint
 
 pytestmark = pytest.mark.server
 TURNS = 10
@@ -77,7 +77,7 @@ def test_sessions_beyond_memory_go_to_disk_and_come_back(kvpop_grpc, metrics, tr
     # The test server's hot tier is 0 MiB and its warm tier 1 GiB; every turn is checkpointed.
     names = [f"many-{index}" for index in range(6)]
     first = {name: kvpop_grpc.generate(user_turn(0), max_tokens=4, ignore_eos=True, session_id=name) for name in names}
-    sessions_dir = triton_server.model_repository / "kvpop_engine" / "sessions"
+    sessions_dir = checkpoint_dir(triton_server)
     for name in names:
         wait_for_checkpoint(sessions_dir, name, len(user_turn(0)) + 3)
     assert len(list(sessions_dir.glob("*.safetensors"))) >= len(names)
@@ -89,7 +89,7 @@ def test_sessions_beyond_memory_go_to_disk_and_come_back(kvpop_grpc, metrics, tr
 
 def test_corrupt_checkpoint_is_refused_and_the_turn_prefills_cold(kvpop_grpc, triton_server, metrics):
     first = kvpop_grpc.generate(user_turn(0), max_tokens=4, ignore_eos=True, session_id="to-corrupt")
-    sessions_dir = triton_server.model_repository / "kvpop_engine" / "sessions"
+    sessions_dir = checkpoint_dir(triton_server)
     rejected = metrics("kvpop_session_checkpoints_rejected_total")
     newest = wait_for_checkpoint(sessions_dir, "to-corrupt", len(user_turn(0)) + 3)
     newest.write_bytes(newest.read_bytes()[:200])  # the memory copy is stale now: the disk is read and refused
@@ -103,45 +103,56 @@ def test_corrupt_checkpoint_is_refused_and_the_turn_prefills_cold(kvpop_grpc, tr
     assert metrics("kvpop_session_checkpoints_rejected_total") == rejected + 1
 
 
-def test_sigkill_between_turns_then_restart_continues_every_checkpointed_session(tmp_path, tiny_onnx_model_dir):
+def test_from_a_read_only_repository_a_restart_after_sigkill_continues_every_checkpointed_session(tmp_path, tiny_onnx_model_dir):
+    """Served from a read-only model repository: the checkpoints go to the state directory, where a
+    restarted server finds them; the repository is left exactly as it was."""
+    import os
+    import stat
+
     from kvpop_client import KVpopClient
     from kvpop.serving.process import TritonServer, free_port
 
-    from e2e.conftest import TEST_ENGINE_PARAMETERS, build_model_repository
+    from e2e.conftest import TEST_ENGINE_PARAMETERS
+    from export.repository import assemble_model_repository
 
-    root = build_model_repository(tmp_path / "models", tiny_onnx_model_dir, TEST_ENGINE_PARAMETERS)
+    root = assemble_model_repository(tmp_path / "models", tiny_onnx_model_dir, TEST_ENGINE_PARAMETERS)
+    for path in [root, *root.rglob("*")]:  # as a `:ro` volume or an image layer would be
+        path.chmod(path.stat().st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+
+    def tree() -> dict[str, tuple[int, int] | None]:
+        """Every path with each file's size and time (Python's own cache left out: it skips a read-only folder)."""
+        return {str(path.relative_to(root)): (path.stat().st_size, path.stat().st_mtime_ns) if path.is_file() else None
+                for path in root.rglob("*") if "__pycache__" not in path.parts}
+
+    before_serving = tree()
 
     def server() -> TritonServer:
         return TritonServer(model_repository=root, http_port=free_port(), grpc_port=free_port(),
                             metrics_port=free_port(), address="127.0.0.1", model_config_name="cpu",
-                            log_file=tmp_path / "triton.log")
+                            log_file=tmp_path / "triton.log", state_dir=tmp_path / "state")
 
-    first = server()
-    with first:
-        with KVpopClient(first.grpc_url, "grpc") as client:
-            before = {name: conversation(client, name, turns=2) for name in ("k1", "k2")}
-        # A checkpoint is on disk a few milliseconds after its turn's response (the store's writer
-        # thread); a SIGKILL before that would lose only that turn's (the session would go on from turn 1's).
-        for name, results in before.items():
-            history = user_turn(0) + results[0].output_ids + user_turn(1) + results[1].output_ids
-            wait_for_checkpoint(root / "kvpop_engine" / "sessions", name, len(history) - 1)
-        first.process.kill()  # SIGKILL: no shutdown hook runs
-        first.process.wait()
-        first.kill_leftovers()
-    with server() as second, KVpopClient(second.grpc_url, "grpc") as client:
-        for name, results in before.items():
-            history = user_turn(0) + results[0].output_ids + user_turn(1) + results[1].output_ids
-            prompt = history + user_turn(2)
-            resumed = client.generate(prompt, max_tokens=REPLY, ignore_eos=True, session_id=name)
-            cold = client.generate(prompt, max_tokens=REPLY, ignore_eos=True)
-            assert resumed.output_ids == cold.output_ids
-            assert resumed.tokens_reused == len(history) - 1
-
-
-def test_a_streamed_turn_reports_tokens_reused_and_computed(kvpop_grpc):
-    first = kvpop_grpc.generate(user_turn(0), max_tokens=4, ignore_eos=True, session_id="streamed")
-    prompt = user_turn(0) + first.output_ids + [9, 10]
-    chunks = list(kvpop_grpc.stream(prompt, 4, ignore_eos=True, session_id="streamed"))
-    result = chunks[-1].result
-    assert result.output_ids == kvpop_grpc.generate(prompt, max_tokens=4, ignore_eos=True).output_ids
-    assert result.tokens_reused == len(user_turn(0)) + 3 and result.tokens_computed == len(prompt) - result.tokens_reused
+    try:
+        first = server()
+        with first:
+            with KVpopClient(first.grpc_url, "grpc") as client:
+                before = {name: conversation(client, name, turns=2) for name in ("k1", "k2")}
+            # A checkpoint is on disk a few milliseconds after its turn's response (the store's writer
+            # thread); a SIGKILL before that would lose only that turn's (the session would go on from turn 1's).
+            for name, results in before.items():
+                history = user_turn(0) + results[0].output_ids + user_turn(1) + results[1].output_ids
+                wait_for_checkpoint(checkpoint_dir(first), name, len(history) - 1)
+            first.process.kill()  # SIGKILL: no shutdown hook runs
+            first.process.wait()
+            first.kill_leftovers()
+        with server() as second, KVpopClient(second.grpc_url, "grpc") as client:
+            for name, results in before.items():
+                history = user_turn(0) + results[0].output_ids + user_turn(1) + results[1].output_ids
+                prompt = history + user_turn(2)
+                resumed = client.generate(prompt, max_tokens=REPLY, ignore_eos=True, session_id=name)
+                cold = client.generate(prompt, max_tokens=REPLY, ignore_eos=True)
+                assert resumed.output_ids == cold.output_ids
+                assert resumed.tokens_reused == len(history) - 1
+        assert tree() == before_serving
+    finally:
+        for path in [root, *root.rglob("*")]:
+            os.chmod(path, path.stat().st_mode | stat.S_IWUSR)  # so that pytest can remove it

@@ -135,7 +135,8 @@ def test_stops_on_eos_stop_string_and_max_tokens(decoder, tokenizer, hf_greedy):
     result = engine.generate([GenerationRequest("s", PROMPTS[0], SamplingParams(max_tokens=NEW_TOKENS, stop=(stop,)))])[0]
     assert result.finish_reason == "stop" and result.matched_stop == stop
     assert stop in tokenizer.decode(result.output_ids) and len(result.output_ids) < NEW_TOKENS
-    assert result.output_ids == hf_greedy[0][: len(result.output_ids)]
+    assert result.output_ids == hf_greedy[0][: len(result.output_ids)]  # every generated token, the stop's too
+    assert result.text == greedy_text[: greedy_text.index(stop)]  # the text ends before the stop string
     short = engine.generate([GenerationRequest("m", PROMPTS[0], SamplingParams(max_tokens=3))])[0]
     assert (short.output_ids, short.finish_reason) == (hf_greedy[0][:3], "length")
     eos = decoder.spec.eos_token_ids[0]
@@ -168,6 +169,18 @@ def test_cancel_and_add_from_another_thread(decoder):
     assert engine.result("never").output_ids == [] and engine.kv_bytes_in_use == 0
     with pytest.raises(KeyError, match="unknown"):
         engine.result("never")
+
+
+def test_a_request_cancelled_mid_prefill_stops_and_frees_its_kv(decoder):
+    engine = Engine(decoder, EngineConfig(prefill_chunk=4, max_step_tokens=4))
+    engine.add_request(GenerationRequest("long", list(range(3, 83)), SamplingParams(max_tokens=8)))
+    engine.step()
+    engine.step()
+    assert engine.state().prefilling == ("long",) and engine.kv_bytes_in_use > 0  # 8 of 80 prompt tokens in
+    engine.cancel("long")
+    events = engine.step()
+    assert [(event.request_id, event.finish_reason) for event in events] == [("long", "cancelled")]
+    assert engine.result("long").output_ids == [] and engine.kv_bytes_in_use == 0 and not engine.has_unfinished()
 
 
 def test_bounded_memory_is_flat_in_generated_length(decoder):

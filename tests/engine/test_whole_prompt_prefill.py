@@ -79,3 +79,22 @@ def test_a_whole_prompt_prefill_says_what_it_holds_beyond_its_cache(decoder):
 def test_whole_prompt_tokens_must_not_be_negative(decoder):
     with pytest.raises(ValueError, match="whole_prompt_tokens"):
         Engine(decoder, EngineConfig(whole_prompt_tokens=-1))
+
+
+def test_kvpop_prompts_entering_whole_in_pieces_answer_as_in_one_call(tiny_onnx_model_dir):
+    """The learned scorer and the question's pick on prompts that enter whole: cut into pieces by a step
+    budget (the pieces written into one buffer of the prompt's length), several prompts' pieces batched in
+    one call, or each prompt in one call: the same tokens and the same evictions."""
+    prompts = [PROMPT, PROMPT[:1] + PROMPT[5:], [0] + [int(token) for token in rng.integers(3, 250, size=71)]]
+    config = CacheConfig(policy="kvpop", budget=24, sinks=2, window=4, scorer="mlstm", query_window=8)
+
+    def run(**engine_config) -> list:
+        engine = Engine.from_model_dir(tiny_onnx_model_dir, EngineConfig(whole_prompt_tokens=4096, **engine_config))
+        requests = [GenerationRequest(f"p{index}", prompt, SamplingParams(max_tokens=10, ignore_eos=True), config)
+                    for index, prompt in enumerate(prompts)]
+        return [(result.output_ids, result.tokens_evicted) for result in engine.generate(requests)]
+
+    one_call = run(prefill_chunk=256, max_batch_size=1)
+    assert run(prefill_chunk=256, max_step_tokens=7, max_batch_size=1) == one_call  # pieces of 7 tokens
+    assert run(prefill_chunk=256, max_step_tokens=24, max_batch_size=3) == one_call  # pieces beside running streams
+    assert run(prefill_chunk=256, max_batch_size=3) == one_call  # prompts batched where their pieces line up

@@ -32,8 +32,9 @@ EXPECTED_EVICTIONS = {
     "h2o": (3, 0),  # lowest accumulated attention outside the window {5, 6}; no sinks
     "tova": (3, 5),  # lowest attention from the newest query; nothing protected
     "random": "seeded",  # checked for reproducibility instead
-    "keep_start": (6, 6),  # the arriving token itself: the first six stay
     "kvpop": (3, 4),  # head 0: a kept long-range token; head 1: the token leaving the window
+    "keep_start": (4, 4),  # the latest token outside the window {5, 6}; attention ignored
+    "snapkv": (0, 0),  # tokens that came one by one (no question to read): the oldest
 }
 
 
@@ -203,3 +204,26 @@ def test_kvpop_holds_the_shrunk_window_and_fills_the_rest_by_score():
         held = set(cache.position[0, head, : cache.length].tolist())
         assert len(held) == 40 and {0} | set(range(160 - window, 160)) <= held
         assert len([p for p in held if 0 < p < 160 - window]) == 40 - sinks - window  # long-range slots
+
+
+def test_kvpop_recency_fill_keeps_the_newest_tokens_the_question_did_not_pick():
+    """The ablation of the learned ranking: with no question to read, the long-range slots go to the newest tokens."""
+    cache = SlotCache(SPEC, make_policy("kvpop", fill="recency", **OPTIONS), budget=BUDGET)
+    feed_constructed(cache, 7)
+    assert evicted(cache) == [{1}, {1}]  # sink 0 and window {5, 6} protected; of 1-4 the oldest goes
+
+
+def test_snapkv_keeps_what_the_question_attends_to_with_its_neighbours():
+    """A whole prompt with its question's attention: per KV head the tokens (and their +-3 neighbours) the last
+    queries attend to most fill the budget beside the protected window."""
+    from kvpop.policies.snapkv import SnapKVPolicy
+
+    tokens, budget = 40, 12
+    cache = SlotCache(SPEC, SnapKVPolicy(window=2), budget=budget)
+    query = np.full((1, 4, 3, tokens), 1e-3, np.float32)  # (L, Hq, W, C + T): an empty cache, 40 prompt tokens
+    query[:, :2, :, 10] = 1.0  # KV head 0 (query heads 0, 1) looks at position 10 ...
+    query[:, 2:, :, 25] = 1.0  # ... KV head 1 at position 25
+    key = np.zeros((1, 2, tokens, 4), np.float32)
+    cache.append(key, key, None, None, query_attention=query)
+    held = [set(cache.position[0, head].tolist()) for head in range(2)]
+    assert set(range(7, 14)) | {38, 39} <= held[0] and set(range(22, 29)) | {38, 39} <= held[1]

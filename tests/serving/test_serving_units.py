@@ -12,7 +12,6 @@ from kvpop.cache.manager import CacheManager
 from kvpop.cache.reservations import KVReservations
 from kvpop.serving.admission import AdmissionPolicy, KVPoolAdmission
 from kvpop.serving.config import ServiceConfig
-from kvpop.serving.detokenizer import IncrementalDetokenizer
 from kvpop.serving.request import InvalidRequestError, parse_parameters, parse_request
 
 SPEC = ModelSpec("LlamaForCausalLM", num_layers=2, num_attention_heads=4, num_kv_heads=2, head_dim=16,
@@ -102,15 +101,6 @@ def tokenizer(tiny_hf_model_dir):
     return AutoTokenizer.from_pretrained(tiny_hf_model_dir)
 
 
-def test_streamed_text_joins_to_the_decoded_text(tokenizer):
-    text = "KVpop keeps a fixed budget: ünïcödé ✓ 漢字 and emoji 🙂 survive streaming."
-    ids = tokenizer(text, add_special_tokens=False).input_ids
-    detokenizer = IncrementalDetokenizer(tokenizer)
-    pieces = [detokenizer.push(token) for token in ids] + [detokenizer.flush()]
-    assert "".join(pieces) == tokenizer.decode(ids) == text
-    assert all("\ufffd" not in piece for piece in pieces)  # never a half character
-
-
 def inputs(**tensors):
     return lambda name: None if name not in tensors else np.asarray(tensors[name])
 
@@ -155,6 +145,50 @@ def test_request_parameters_are_accepted_like_inputs(tokenizer):
 def test_parse_rejects_malformed_inputs(tokenizer, tensors, message):
     with pytest.raises(InvalidRequestError, match=message):
         parse(tokenizer, **tensors)
+
+
+@pytest.mark.parametrize("parameters, message", [
+    ({"max_tokens": 2**32 + 3}, "max_tokens is out of range for INT32"),  # once wrapped around to 3
+    ({"max_tokens": 2**63}, "max_tokens is out of range for INT32"),
+    ({"kv_budget": 2**32 + 100}, "kv_budget is out of range for INT32"),  # once a budget of 100
+    ({"kv_budget": 2**32 - 1}, "kv_budget is out of range for INT32"),
+    ({"max_tokens": True}, "max_tokens must be a number"),  # once taken as 1
+    ({"temperature": True}, "temperature must be a number"),
+    ({"kv_budget": -5, "eviction_policy": "streaming"}, "kv_budget must be >= 1"),
+    ({"kv_budget": -5}, "kv_budget must be >= 1"),
+    ({"max_tokens": "2147483648"}, "max_tokens is out of range for INT32"),  # a number sent as a string
+    ({"max_tokens": "eight"}, "parameter max_tokens"),
+])
+def test_parameters_are_checked_against_their_wire_type(tokenizer, parameters, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        parse(tokenizer, parameters, input_ids=np.array([5, 6, 7]))
+
+
+def test_numbers_sent_as_strings_are_numbers(tokenizer):
+    parsed = parse(tokenizer, {"max_tokens": "8", "temperature": "0.5"}, input_ids=np.array([5, 6, 7]))
+    assert parsed.generation.sampling.max_tokens == 8 and parsed.generation.sampling.temperature == 0.5
+
+
+def test_kv_budget_zero_means_not_sent_on_every_path(tokenizer):
+    for parameters, tensors in (({"kv_budget": 0}, {}), ({}, {"kv_budget": np.array([0], np.int32)})):
+        parsed = parse(tokenizer, {"eviction_policy": "streaming", **parameters}, input_ids=np.array([5, 6, 7]), **tensors)
+        assert parsed.generation.cache.budget == CONFIG.default_kv_budget
+
+
+@pytest.mark.parametrize("parameters, tensors, message", [
+    ('{"text_input": "\\ud800 hi"}', {}, "text_input is not valid UTF-8"),
+    ('{"eviction_policy": "kv\\udfffpop"}', {"input_ids": np.array([5])}, "eviction_policy is not valid UTF-8"),
+    ('{"session_id": "\\ud800"}', {"input_ids": np.array([5])}, "session_id is not valid UTF-8"),
+    ('{"stop": ["a", "\\ud800"]}', {"input_ids": np.array([5])}, "stop.1 is not valid UTF-8"),
+    ("", {"messages": np.array(['[{"role": "user", "content": "\\ud800"}]'.encode()], dtype=object)},
+     "messages.0.content is not valid UTF-8"),
+    ("", {"input_ids": np.array([5]), "sampling_parameters": np.array(['{"stop": "\\udc00"}'.encode()], dtype=object)},
+     "sampling_parameters.stop is not valid UTF-8"),
+])
+def test_a_lone_surrogate_anywhere_is_a_client_error(tokenizer, parameters, tensors, message):
+    """JSON escapes a lone surrogate ("\\ud800"), which is no UTF-8 text: refused before the tokenizer sees it."""
+    with pytest.raises(InvalidRequestError, match=message):
+        parse(tokenizer, parse_parameters(parameters), **tensors)
 
 
 def test_parameters_must_be_json():

@@ -14,6 +14,7 @@ from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
 from kvpop.model_spec import ModelSpec
 from kvpop.cache.reservations import KVReservations
 from kvpop.serving.admission import AdmissionPolicy, KVPoolAdmission, OverloadedError
+from kvpop.serving.metrics import NullMetrics, SequenceCounts
 from kvpop.serving.request import ParsedRequest
 from kvpop.serving.worker import EngineWorker
 
@@ -188,3 +189,61 @@ def test_a_prompt_fed_in_several_chunks_never_waits_idle(tiny_onnx_model_dir, mo
         assert idle_waits == []
     finally:
         worker.stop()
+
+
+def make_worker(model_dir, config: EngineConfig, slots: int, max_queue_size: int, metrics=None) -> EngineWorker:
+    from transformers import AutoTokenizer
+
+    decoder = DecoderStep(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer")
+    pool = KVReservations(slots * ModelSpec.load(model_dir).kv_bytes_per_token, ModelSpec.load(model_dir))
+    return EngineWorker(lambda: Engine(decoder, config, tokenizer=tokenizer, reservations=pool), tokenizer,
+                        KVPoolAdmission(AdmissionPolicy(64, max_queue_size)), metrics, idle_wait=0.01).start()
+
+
+def test_a_queued_request_whose_client_left_is_dropped_wherever_it_waits(tiny_onnx_model_dir):
+    """Behind a queue head that cannot start, a request whose client went away is answered `cancelled` and
+    leaves the queue at once: it never takes KV memory; the others are unaffected."""
+    worker = make_worker(tiny_onnx_model_dir, EngineConfig(), slots=1024, max_queue_size=2)
+    try:
+        holder, head, behind = ListChannel(), ListChannel(), ListChannel()
+        worker.submit(parsed("holder", stream=True, max_tokens=60_000, budget=1000, ignore_eos=True), holder)
+        while not holder.responses:
+            time.sleep(0.01)
+        worker.submit(parsed("head", stream=False, max_tokens=8, budget=1000), head)
+        worker.submit(parsed("behind", stream=False, max_tokens=8, budget=1000), behind)
+        assert worker.num_queued == 2
+        behind.cancelled = True
+        assert behind.done.wait(5) and behind.responses[-1]["finish_reason"][0, 0] == b"cancelled"
+        assert worker.num_queued == 1 and not head.done.is_set() and not holder.done.is_set()
+        holder.cancelled = True
+        assert head.done.wait(30) and len(head.ids()) == 8 and head.responses[0]["finish_reason"][0, 0] == b"length"
+    finally:
+        worker.stop()
+
+
+class RecordingMetrics(NullMetrics):
+    def __init__(self) -> None:
+        self.steps: list[SequenceCounts] = []
+
+    def observe_step(self, batch_size, kv_bytes_in_use, kv_bytes_reserved, sequences) -> None:
+        self.steps.append(sequences)
+
+
+def test_the_sequence_gauges_count_the_running_batch_and_the_waiting_apart(tiny_onnx_model_dir):
+    """Five requests that all fit the KV pool, with room for two in the running batch: never more than two
+    are active (prefilling or decoding); the rest count as queued, and every request is counted once."""
+    metrics = RecordingMetrics()
+    worker = make_worker(tiny_onnx_model_dir, EngineConfig(max_batch_size=2), slots=4096, max_queue_size=2,
+                         metrics=metrics)
+    try:
+        channels = [ListChannel() for _ in range(5)]
+        for index, channel in enumerate(channels):
+            worker.submit(parsed(f"r{index}", stream=True, max_tokens=30, budget=64, ignore_eos=True), channel)
+        assert all(channel.done.wait(60) for channel in channels)
+    finally:
+        worker.stop()
+    assert max(counts.active for counts in metrics.steps) == 2
+    assert all(counts.active == counts.prefilling + counts.decoding <= 2 for counts in metrics.steps)
+    assert max(counts.queued + counts.active for counts in metrics.steps) == 5
+    assert metrics.steps[-1] == SequenceCounts(0, 0, 0)

@@ -38,6 +38,8 @@ def _pooled(spans: TextSpans, positions: np.ndarray, current: np.ndarray) -> np.
 
 
 QUERY_HEADS = ("auto", "head", "retrieval")
+FILLS = ("scorer", "recency")
+RECENCY_SCALE = np.float32(2**20)  # positions / this: a recency score stays far under query.QUERY_BONUS
 
 
 @dataclass
@@ -60,6 +62,9 @@ class KVpopPolicy(EvictionPolicy):
     # "head": each KV head picks its own (SnapKV); "retrieval": one pick for every cache, from the retrieval heads'
     # attention (the learned scorer's model ships them: query.py); "auto": retrieval when they ship, else head
     query_heads: str = "auto"
+    # What ranks the long-range slots the question does not pick: "scorer" (the method), or "recency" (the newest
+    # tokens, scorer and span pooling unused: the ablation that measures what the learned ranking adds)
+    fill: str = "scorer"
     _scorer: TokenScorer = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -71,6 +76,8 @@ class KVpopPolicy(EvictionPolicy):
                 or self.query_heads not in QUERY_HEADS:
             raise ValueError(f"kvpop: query_window must be >= 0, query_share in [0, 1] and query_heads one of {QUERY_HEADS}, "
                              f"got {self.query_window}, {self.query_share}, {self.query_heads!r}")
+        if self.fill not in FILLS:
+            raise ValueError(f"kvpop: fill must be one of {FILLS}, got {self.fill!r}")
         self._scorer = make_scorer(self.scorer)
         if self.query_window is None:
             self.query_window = query.WINDOW if self._scorer.retrieval_heads is not None else 0
@@ -155,7 +162,7 @@ class KVpopPolicy(EvictionPolicy):
             return False
         if cache.budget == sinks + window:  # no long-range slot: the leaving token is the one dropped
             return True
-        return not self._scorer_behind(cache) and self._scorer.scores_decode_batch(cache.policy_state)
+        return self.fill == "scorer" and not self._scorer_behind(cache) and self._scorer.scores_decode_batch(cache.policy_state)
 
     def decode_group(self, cache):
         return decode_batch.batch_group(self, cache)
@@ -244,9 +251,11 @@ class KVpopPolicy(EvictionPolicy):
             statistics={name: gather(statistics[name], new_statistics[name]) for name in self._scorer.statistics},
         )
         scores = np.asarray(self._scorer.score(cache, state, leaving), dtype=np.float32)
+        if self.fill == "recency":
+            scores = leaving.positions.astype(np.float32) / RECENCY_SCALE
         cached_score = cache.statistics[SCORE].copy()  # (L, Hkv, C): the leaving old slots get their score
         spans = self._line_spans(cache)
-        if spans is not None:  # every cache ranks the same positions (shared ranking): one line mean each
+        if spans is not None and self.fill == "scorer":  # every cache ranks the same positions (shared ranking): one line mean each
             spans.add_scores(leaving.positions[0, 0], scores[0, 0])
             scores = _pooled(spans, leaving.positions, scores)
             cached_score = _pooled(spans, cache.position, cached_score)  # held tokens of those lines move too

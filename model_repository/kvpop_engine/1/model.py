@@ -17,6 +17,8 @@ from kvpop.serving.errors import tagged
 from kvpop.serving.metrics import ServiceMetrics
 from kvpop.serving.request import InvalidRequestError, parse_parameters
 from kvpop.serving.service import KVpopService, Placement
+from kvpop.serving.state_dir import model_state_dir
+from kvpop.serving.stubs import exit_with_server
 
 
 def error_code(kind):
@@ -52,6 +54,7 @@ class TritonChannel:
 
 class TritonPythonModel:
     def initialize(self, args):
+        exit_with_server()  # a stub that lost its server mid-request would otherwise never exit
         model_config = json.loads(args["model_config"])
         version_dir = Path(args["model_repository"]) / args["model_version"]
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
@@ -67,7 +70,7 @@ class TritonPythonModel:
             pb_utils, args["model_name"], placement.label, config.kv_pool_mb * 2**20, KVpopService.policies()
         )
         try:
-            self.service = KVpopService(version_dir, config, placement, metrics)
+            self.service = KVpopService(version_dir, config, placement, metrics, model_state_dir(args["model_name"]))
         except ValueError as error:
             raise pb_utils.TritonModelException(f"{args['model_name']}: {error}") from None
         self.metrics = metrics

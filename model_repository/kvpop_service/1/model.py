@@ -22,6 +22,7 @@ from kvpop.serving.errors import tagged
 from kvpop.serving.forwarder import EngineForwarder, ForwardError, ForwardJob
 from kvpop.serving.frontend import engine_prompts
 from kvpop.serving.request import InvalidRequestError, parse_parameters
+from kvpop.serving.stubs import exit_with_server
 
 CANCEL_POLL_SECONDS = 0.1
 
@@ -36,6 +37,7 @@ class _HeldRequest:
 
 class TritonPythonModel:
     def initialize(self, args):
+        exit_with_server()  # a stub that lost its server mid-request would otherwise never exit
         model_config = json.loads(args["model_config"])
         parameters = {key: value["string_value"] for key, value in (model_config.get("parameters") or {}).items()}
         try:

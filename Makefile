@@ -233,13 +233,19 @@ eval-diverse-test: setup  ## [evaluate] piece DIVERSE_PIECE of the pre-registere
 	$(PY) -m kvpop_eval.quality.plan run --plan $(DIVERSE_PLAN) --piece $(DIVERSE_PIECE)
 	$(PY) -m kvpop_eval.quality.plan analyse --plan $(DIVERSE_PLAN) --out-dir $(RESULTS_OUT)/diverse-test/analysis
 
-# The pre-registered test run (kvpop_eval/multiturn/plan.py): both routes, every policy x compression; it resumes
-# where a stopped run ended. MULTITURN_OPENAI_URL: a running server's OpenAI API (make serve-bg); empty: one is started.
+# Multi-turn chats (kvpop_eval/multiturn/): the validation split, where the chats' design is chosen, and the test plan
+# registered in docs/results/preregistration-multiturn.json, run once in its order; it resumes where a stopped run
+# ended. MULTITURN_OPENAI_URL: a running server's OpenAI API (make serve-bg); empty: one is started on free ports.
+MULTITURN_VALIDATION_NUM ?= 32
 MULTITURN_OPENAI_URL ?=
-eval-multiturn: setup  ## [evaluate] pre-registered multi-turn chats through sessions and the OpenAI API, every policy at 88/94% (hours on 2 cores; resumes): build/results/multiturn/
+eval-multiturn-validation: setup  ## [evaluate] MULTITURN_VALIDATION_NUM validation chats through sessions, full vs kvpop and keep_start at 88/94%: build/results/multiturn-validation/
 	@test -f model_repository/kvpop_engine/1/model_spec.json || { echo "no exported model: run 'make export' first"; exit 1; }
-	$(PY) -m kvpop_eval.multiturn test --model model_repository/kvpop_engine/1 --out-dir $(RESULTS_OUT)/multiturn \
-		$(if $(MULTITURN_OPENAI_URL),--openai-url $(MULTITURN_OPENAI_URL))
+	$(PY) -m kvpop_eval.multiturn write --split validation --num $(MULTITURN_VALIDATION_NUM) --out build/multiturn/chats-validation.jsonl
+	$(PY) -m kvpop_eval.multiturn run --route sessions --tasks build/multiturn/chats-validation.jsonl --out-dir $(RESULTS_OUT)/multiturn-validation
+
+eval-multiturn: setup  ## [evaluate] the pre-registered multi-turn chats through sessions and the OpenAI API, full vs kvpop and keep_start at 88/94% (hours on 2 cores; resumes): build/results/multiturn/
+	@test -f model_repository/kvpop_engine/1/model_spec.json || { echo "no exported model: run 'make export' first"; exit 1; }
+	$(PY) -m kvpop_eval.multiturn test $(if $(MULTITURN_OPENAI_URL),--openai-url $(MULTITURN_OPENAI_URL))
 
 tasks: setup  ## write 200 reference tasks of TASK_SPLIT (default heldout) at TASK_TOKENS (default 2048) to build/tasks/
 	$(PY) -m kvpop_eval.tasks write --split $(TASK_SPLIT) --num 200 --context-tokens $(TASK_TOKENS) $(if $(TASK_FACTS),--num-facts $(TASK_FACTS)) --out $(TASKS_FILE)

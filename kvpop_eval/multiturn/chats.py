@@ -1,15 +1,18 @@
-"""The chats: a user tells the assistant about their life over several turns, one turn states the fact that
-the last turn asks for, and other turns state facts of the same kind (other codes, cities, names, passwords).
+"""The chats: over several turns a user pastes passages of text and asks for small things, one turn states
+the fact that the last turn asks for, and other turns state facts of the same kind (other codes, cities,
+names, passwords) about other subjects.
 
 A chat is seeded by (split, index): the asked fact's turn is drawn uniformly among the statement turns, its
 kind and subject at random; `competitors` other statement turns each state a fact of the same kind about
-another subject, and the remaining ones may state a fact of another kind. Every statement turn is
-`filler` sentences of everyday life (no numbers, names or places) with its fact, if any, at a random place
-among them. The question is the subject's plain question, with no words of the answer handed over.
+another subject, `other_facts` ones a fact of another kind. Every statement turn is a lead-in, a passage of
+at most `passage_chars` characters and a request, its fact (if any) before or after the passage. The question
+is the subject's plain question, with no words of the answer handed over.
 
-Splits: values come from kvpop_eval.english_tasks' pools (names, cities and passwords partitioned by split;
-numbers drawn from the split's own seed), filler sentences are partitioned between validation and test by
-a stable hash, so the test split's chats share no value and no filler sentence with validation's.
+Splits: the passages come from kvpop_eval.text_sources, validation's from the reference, readme and chat
+sources, test's from the held-out ones only (legal, changelog), which no design choice, scorer or head
+calibration ever read; the subjects (each fact's statements and question) and the requests are split in two
+by a stable hash; values come from kvpop_eval.english_tasks' split pools (numbers from the split's seed).
+A test chat shares no passage source, subject, request or value with validation's.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import random
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
+from kvpop_eval import text_sources
 from kvpop_eval.english_tasks import SPLITS as POOL_SPLITS, _pool
+from kvpop_eval.text_sources import HELD_OUT
 
 SPLITS = ("validation", "test")
 
@@ -103,112 +108,11 @@ SUBJECTS: dict[str, tuple[Subject, ...]] = {
     ),
 }
 KINDS = tuple(SUBJECTS)
+ANSWER_AS = {"number": "the number", "city": "the city", "person": "the name", "password": "the password"}
+CUE = "Going back to what I told you earlier: "
+SYSTEM = ("You are a helpful assistant. Over several messages the user shares passages of text and details of their life. "
+          "Keep every detail in mind; when the user later asks about one, answer with it directly.")
 POOLS = {"city": "city", "person": "person", "password": "key"}  # english_tasks' pool of each kind's values
-
-# Everyday sentences with no number, name or place: the body of every statement turn.
-FILLER = (
-    "Yesterday I finally cleaned out the garage and found a box of old letters.",
-    "I have been trying to drink more water during the day.",
-    "The weather has been cold and grey all week.",
-    "My morning coffee tasted burnt today, so I made a second cup.",
-    "I started reading a long novel about a family of sailors.",
-    "Our kitchen tap has been dripping since the weekend.",
-    "I walked to work instead of taking the bus and enjoyed it.",
-    "The neighbours' cat keeps sleeping on our doormat.",
-    "I baked bread for the first time and it came out rather flat.",
-    "My phone battery does not last a whole day anymore.",
-    "I am thinking about painting the bedroom a lighter colour.",
-    "Last night I watched a documentary about deep sea creatures.",
-    "The new cafe around the corner makes excellent pastries.",
-    "I forgot my umbrella and got soaked on the way home.",
-    "We are planning a small garden party for the summer.",
-    "I have been learning to knit, but my scarf is very uneven.",
-    "The printer at work jammed three times this morning.",
-    "I repotted all my houseplants over the weekend.",
-    "My back has been sore since I moved the sofa.",
-    "I signed up for a beginners' class in pottery.",
-    "The train was late again and I missed the start of a meeting.",
-    "I made a big pot of vegetable soup that will last for days.",
-    "I keep meaning to call my old school friends more often.",
-    "The leaves on the trees outside are turning yellow already.",
-    "I bought a new pair of running shoes that feel very light.",
-    "Our washing machine makes a strange noise when it spins.",
-    "I spent the afternoon sorting through old photographs.",
-    "My favourite radio programme changed its presenter.",
-    "I tried a new recipe with lentils and it was surprisingly good.",
-    "The streets were very quiet this morning.",
-    "I have too many browser tabs open and cannot find anything.",
-    "I went swimming after work and felt much better for it.",
-    "The library near my house is being renovated.",
-    "I lost one glove somewhere between the shop and the bus stop.",
-    "We had a long family dinner that went on until late.",
-    "I am slowly getting used to waking up earlier.",
-    "The supermarket was out of the bread I usually buy.",
-    "I finally fixed the wobbly leg of the kitchen table.",
-    "My inbox is full of newsletters I never asked for.",
-    "I enjoy listening to the rain at night.",
-    "The heating in the office is either too hot or too cold.",
-    "I picked strawberries at a farm and ate half of them on the way.",
-    "My laptop fan has become very loud lately.",
-    "I have been sleeping badly because of the street noise.",
-    "We rearranged the living room to make space for a bookshelf.",
-    "I started keeping a small notebook for my thoughts.",
-    "The bakery gave me an extra roll for free this morning.",
-    "I spent far too long choosing a new toothbrush.",
-    "My hands were freezing after cycling without gloves.",
-    "I am trying to spend less time looking at screens in the evening.",
-    "The river path was muddy after all the rain.",
-    "I cooked dinner for friends and burnt the rice a little.",
-    "Our old car needed new tyres before the winter.",
-    "I enjoyed a long walk through the woods on the weekend.",
-    "The meeting today could easily have been an email.",
-    "I found a lovely second-hand armchair at a flea market.",
-    "My tomato plants are finally producing fruit.",
-    "The kids next door have started learning the trumpet.",
-    "I made a list of things to fix around the house.",
-    "I fell asleep on the sofa while watching a film.",
-    "The post office queue took almost the whole lunch break.",
-    "I have been trying to learn a few words of a new language every day.",
-    "My shoes squeak loudly on the office floor.",
-    "The sunset over the rooftops was beautiful this evening.",
-    "I organised my spice drawer and threw out the old jars.",
-    "The bus driver this morning was unusually cheerful.",
-    "I decided to take a short break from social media.",
-    "We spent the evening playing board games.",
-    "My coat needs a new button before it gets colder.",
-    "I made pancakes for breakfast on a weekday for once.",
-    "The gym was crowded, so I went for a run outside instead.",
-    "I have been listening to old songs from my teenage years.",
-    "Our fridge is almost empty and I need to go shopping.",
-    "I helped a friend carry boxes up several flights of stairs.",
-    "The wind knocked over our garden chairs during the night.",
-    "I bought flowers for the kitchen table just to cheer it up.",
-    "My to-do list keeps getting longer instead of shorter.",
-    "I tried meditating for a few minutes before bed.",
-    "The hallway light flickers whenever someone closes the door.",
-    "I finished a jigsaw puzzle that had been on the table for weeks.",
-    "I am looking forward to a quiet weekend at home.",
-    "The coffee machine at work has been broken for days.",
-    "I wrote a long letter by hand, which felt old-fashioned.",
-    "My sunglasses broke when I sat on them by accident.",
-    "The market had wonderful fresh vegetables today.",
-    "I have started going to bed without my phone in the room.",
-    "I cleaned the windows and the whole flat looks brighter.",
-    "A bird has built a nest on our balcony.",
-    "I spilled tea on my notes right before a presentation.",
-    "The evenings are getting longer and lighter.",
-    "I tried to fix my bicycle chain and got grease everywhere.",
-    "My favourite mug has a small crack in it now.",
-    "I enjoyed a slow breakfast with the newspaper.",
-    "I am trying to be more patient when I am stuck in traffic.",
-    "The park was full of people flying kites.",
-    "I bought a cookbook and have not opened it yet.",
-    "We started a habit of walking together after dinner.",
-    "My desk is covered in sticky notes I no longer understand.",
-    "I have been humming the same tune all day.",
-    "The snow turned to slush within a few hours.",
-)
-
 
 # What a statement turn asks of the assistant after telling it about the day: something a small model answers
 # helpfully (a turn that only tells it things draws apologies from SmolLM2-135M, which its later replies repeat).
@@ -256,28 +160,65 @@ REQUESTS = (
 )
 
 
+# What a statement turn asks instead when the chat's shape acknowledges: a short receipt, so the model's replies
+# stay short and the chat stays a chat about what the user tells.
+ACKNOWLEDGE = (
+    "Just say OK for now.", "Reply with OK if you got it.", "No need to comment, just say OK.", "Only answer OK for now.",
+    "Please just confirm with OK.", "A short OK is enough as a reply.", "Say OK and wait for my next message.",
+    "Answer with OK, nothing more.", "Just acknowledge with OK.", "Reply OK so I know you read it.",
+    "Nothing to do yet, just reply OK.", "Give me a quick OK.",
+)
+
 REMEMBER = " Please remember that."
+LEADS = ("Here is something I am reading today:", "I came across this passage:", "Look at this text I have to go through:",
+         "This is part of what I read this morning:")
+SOURCES = {"validation": ("reference", "readme", "chat"), "test": HELD_OUT}  # the passages' text sources
 
 
-def filler_split(sentence: str) -> str:
-    """Validation or test: a stable hash of the sentence (the same on every machine)."""
-    return SPLITS[int(hashlib.sha256(f"chat-filler:{sentence}".encode()).hexdigest()[:8], 16) % 2]
+def _half(text: str) -> str:
+    """Validation or test: a stable hash of a request (the same on every machine)."""
+    return SPLITS[int(hashlib.sha256(f"chat-filler:{text}".encode()).hexdigest()[:8], 16) % 2]
+
+
+@lru_cache(maxsize=None)
+def subjects(kind: str, split: str) -> tuple[Subject, ...]:
+    """The split's subjects of `kind`: ordered by a stable hash of their question, every other one (so each
+    split holds half of every kind's subjects, and a test chat states and asks nothing validation's do)."""
+    ordered = sorted(SUBJECTS[kind], key=lambda subject: hashlib.sha256(f"chat-subject:{subject.question}".encode()).hexdigest())
+    return tuple(ordered[SPLITS.index(split)::2])
 
 
 @dataclass(frozen=True)
 class ChatShape:
     """What every chat of a task set has in common (chosen on validation)."""
 
-    statement_turns: int = 7  # user turns before the question
-    filler: int = 5  # everyday sentences per statement turn
-    competitors: int = 3  # statement turns that state another fact of the asked kind
-    other_facts: int = 2  # statement turns that state a fact of another kind
+    statement_turns: int = 5  # user turns before the question
+    passage_chars: int = 400  # at most, the pasted passage of each statement turn
+    competitors: int = 2  # statement turns that state another fact of the asked kind
+    other_facts: int = 1  # statement turns that state a fact of another kind
+    cue: int = 0  # 1: the question opens with CUE (a pointer to the past turns, no word of the answer)
+    acknowledge: int = 0  # 1: statement turns ask for an OK (ACKNOWLEDGE) instead of a tip (REQUESTS)
+    system: int = 0  # 1: the chat opens with SYSTEM as its system prompt (0: the chat template's default)
 
     def __post_init__(self) -> None:
-        if self.statement_turns < 2 or self.filler < 0 or self.competitors < 0 or self.other_facts < 0 \
+        if self.statement_turns < 2 or self.passage_chars < 0 or self.other_facts < 0 \
+                or not 0 <= self.competitors < min(len(subjects(kind, split)) for kind in KINDS for split in SPLITS) \
                 or 1 + self.competitors + self.other_facts > self.statement_turns:
-            raise ValueError(f"a chat needs >= 2 statement turns holding the asked fact, its competitors and the other "
-                             f"facts, got {self}")
+            raise ValueError(f"a chat needs >= 2 statement turns holding the asked fact, its competitors (fewer than each "
+                             f"kind's subjects in a split) and the other facts, got {self}")
+
+
+def _passage(split: str, rng: random.Random, chars: int) -> str:
+    """A pasted passage of one of the split's sources: a block cut to at most `chars` at a sentence or line end."""
+    if chars == 0:
+        return ""
+    source = rng.choice(SOURCES[split])
+    block = rng.choice(text_sources.blocks(source, split))
+    if len(block) <= chars:
+        return block
+    head = block[:chars]
+    cut = max(head.rfind(". ") + 1, head.rfind("\n"))
+    return head[:cut].rstrip() if cut > chars // 3 else head.rsplit(" ", 1)[0]
 
 
 @lru_cache(maxsize=None)
@@ -302,24 +243,26 @@ def make_chat(split: str, index: int, shape: ChatShape) -> dict:
         raise ValueError(f"chats exist for splits {SPLITS}, got {split!r}")
     rng = random.Random(f"multiturn-v2:{split}:{index}")
     kind = rng.choice(KINDS)
-    subjects = rng.sample(SUBJECTS[kind], 1 + shape.competitors)
+    asked_kind = rng.sample(subjects(kind, split), 1 + shape.competitors)
     other_kinds = [rng.choice([k for k in KINDS if k != kind]) for _ in range(shape.other_facts)]
     taken: set[str] = set()
-    facts = [(kind, subject, _value(kind, split, rng, taken)) for subject in subjects]
-    facts += [(other, rng.choice(SUBJECTS[other]), _value(other, split, rng, taken)) for other in other_kinds]
+    facts = [(kind, subject, _value(kind, split, rng, taken)) for subject in asked_kind]
+    facts += [(other, rng.choice(subjects(other, split)), _value(other, split, rng, taken)) for other in other_kinds]
     turn_of = rng.sample(range(shape.statement_turns), len(facts))  # facts[0] (the asked one) at a uniform turn
-    fillers = rng.sample([s for s in FILLER if filler_split(s) == split], shape.filler * shape.statement_turns)
-    requests = rng.sample([s for s in REQUESTS if filler_split(s) == split], shape.statement_turns)
+    asks = ACKNOWLEDGE if shape.acknowledge else REQUESTS
+    pool = [s for s in asks if _half(s) == split]
+    requests = rng.sample(pool, shape.statement_turns) if len(pool) >= shape.statement_turns else \
+        [rng.choice(pool) for _ in range(shape.statement_turns)]
     users = []
     for turn in range(shape.statement_turns):
-        sentences = fillers[turn * shape.filler : (turn + 1) * shape.filler]
+        parts = [rng.choice(LEADS) + "\n\n" + _passage(split, rng, shape.passage_chars)] if shape.passage_chars else []
         if turn in turn_of:
-            fact_kind, subject, value = facts[turn_of.index(turn)]
-            sentences.insert(rng.randrange(len(sentences) + 1), rng.choice(subject.statements).format(value) + REMEMBER)
-        users.append(" ".join([*sentences, requests[turn]]))
-    asked = facts[0][1]
-    users.append(asked.question)
+            _, subject, value = facts[turn_of.index(turn)]
+            parts.insert(rng.randrange(len(parts) + 1), rng.choice(subject.statements).format(value) + REMEMBER)
+        users.append("\n\n".join([*parts, requests[turn]]))
+    users.append(CUE * shape.cue + f"{facts[0][1].question} Answer with {ANSWER_AS[kind]} only.")
     return {"split": split, "index": index, "shape": asdict(shape), "kind": kind, "users": users,
+            **({"system": SYSTEM} if shape.system else {}),
             "answer": facts[0][2], "fact_turn": turn_of[0], "competing": [value for k, _, value in facts[1:] if k == kind]}
 
 

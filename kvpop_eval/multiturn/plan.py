@@ -1,72 +1,72 @@
-"""The test split's pre-registration: the chats, routes, policies, compressions and analysis, fixed in the
-tree before the test split first ran, and run once as written (`make eval-multiturn`).
+"""The test split's pre-registration: the chats (generator, seeds, count, shape, sha256), the routes, policies,
+compressions, the order they run in and the analysis, fixed in docs/results/preregistration-multiturn.json
+before the first test chat ran, then run once as written (`make eval-multiturn`).
 
-Every design choice (the chats' shape, the reply and answer lengths) was made on the validation split.
-The test run regenerates the chats from kvpop_eval.multiturn.chats (seeds "multiturn-v2:test:<index>")
-and refuses them unless their sha256 is `tasks_sha256`; its results name the commit of this file.
-
-The analysis, per route: every row's accuracy with its 95% Wilson interval; against the full cache on the
-same chats (kvpop_eval.multiturn.analysis) the ratio of accuracies with its 95% paired bootstrap interval
-(5,000 resamples, seed 0), the retained share (of the chats the full cache answers, the share the policy
-still answers) with its Wilson interval, the paired difference with its bootstrap interval and the chats only
-one of the two answers. The criterion: kvpop keeps >= 0.95 of the full cache's accuracy at 88% and >= 0.85
-at 94%, on both routes, and answers more chats than keep_start at each compression. Every row is reported.
+Every design choice (the chats' shape, the reply and answer lengths) was made on the validation split. The
+run regenerates the chats from kvpop_eval.multiturn.chats (seeds "multiturn-v2:test:<index>") and refuses
+them unless their sha256 is the registered one; its results name the commits of the plan file.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvpop_eval.multiturn import runner
 from kvpop_eval.multiturn.chats import ChatShape, make_chat
 
-MODEL = Path("model_repository/kvpop_engine/1")
+PLAN = Path("docs/results/preregistration-multiturn.json")
 
 
-@dataclass(frozen=True)
-class Plan:
-    split: str
-    num: int
-    shape: ChatShape
-    reply_tokens: int  # at most, a statement turn's reply (the model's own, greedy)
-    answer_tokens: int  # at most, the answer to the question
-    routes: tuple[str, ...]
-    policies: tuple[str, ...]
-    compressions: tuple[float, ...]
-    tasks_sha256: str
+def load_plan(path: Path = PLAN) -> dict:
+    return {**json.loads(Path(path).read_text()), "file": str(path)}
 
 
-TEST = Plan(split="test", num=120, shape=ChatShape(), reply_tokens=32, answer_tokens=24, routes=runner.ROUTES,
-            policies=("full", "kvpop", "keep_start", "streaming"), compressions=(0.88, 0.94), tasks_sha256="")
+def registration_commits(path: Path) -> list[str]:
+    """Every commit of the plan file, the registration first: what the results name as their pre-registration."""
+    try:
+        found = subprocess.run(["git", "log", "--format=%H", "--", str(path)], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    return found.stdout.split()[::-1]
 
 
-def commit_of_plan() -> str:
-    """The commit that last changed this file: the pre-registration the results stand on."""
-    here = Path(__file__).resolve()
-    result = subprocess.run(["git", "log", "-1", "--format=%H", "--", here.name], cwd=here.parent, capture_output=True, text=True)
-    return result.stdout.strip() or "unknown"
+def chats_text(split: str, num: int, shape: ChatShape) -> str:
+    return "".join(json.dumps(make_chat(split, index, shape)) + "\n" for index in range(num))
 
 
-def write_tasks(path: Path, plan: Plan = TEST) -> Path:
-    """The plan's chats, refused unless they are the pre-registered ones."""
+def write_tasks(plan: dict) -> Path:
+    """The plan's chats at the plan's path, refused unless they are the registered ones."""
+    tasks = plan["tasks"]
+    text = chats_text(tasks["split"], tasks["num"], ChatShape(**tasks["shape"]))
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    if digest != tasks["sha256"]:
+        raise ValueError(f"the {tasks['split']} chats hash to {digest}, not the registered {tasks['sha256']}: the generator, "
+                         "its pools or this machine's text sources changed since the pre-registration")
+    path = Path(tasks["path"])
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(make_chat(plan.split, index, plan.shape)) + "\n" for index in range(plan.num)))
-    digest = runner.sha256(path)
-    if digest != plan.tasks_sha256:
-        raise ValueError(f"the {plan.split} chats hash to {digest}, not the pre-registered {plan.tasks_sha256}: the "
-                         "generator or its pools changed since the pre-registration")
+    path.write_text(text)
     return path
 
 
-def run_test(model: Path, out_dir: Path, openai_url: str | None = None, plan: Plan = TEST) -> int:
-    """The pre-registered run, every route and row (resumes), then multiturn.json naming the pre-registration."""
-    tasks = write_tasks(out_dir / f"chats-{plan.split}.jsonl", plan)
-    for route in plan.routes:
-        runner.run(route, tasks, list(plan.policies), list(plan.compressions), out_dir, plan.reply_tokens, plan.answer_tokens,
-                   model, openai_url)
-    extra = {"preregistration": {"commit": commit_of_plan(), **asdict(plan)}}
-    summary = runner.report(tasks, out_dir, list(plan.policies), list(plan.compressions), extra, plan.routes)
-    return 0 if summary["complete"] else 1
+def all_cells(plan: dict) -> list[tuple[str, float]]:
+    return runner.cells_of(plan["policies"], plan["compressions"])
+
+
+def run_test(plan: dict, openai_url: str | None = None) -> int:
+    """The registered steps in their order (each resumes), then the summary naming the pre-registration."""
+    tasks = write_tasks(plan)
+    settings, out_dir = plan["settings"], Path(plan["results"])
+    for step in plan["order"]:
+        runner.run(step["route"], tasks, [(policy, ratio) for policy, ratio in step["cells"]], out_dir, settings["reply_tokens"],
+                   settings["answer_tokens"], Path(settings["model"]), openai_url, settings["chunk"])
+    return 0 if summarise(plan)["all_chats_ran"] else 1
+
+
+def summarise(plan: dict) -> dict:
+    """multiturn.json of every chat run so far (a prefix of the registered ones per row), naming the plan."""
+    registration = {"file": plan["file"], "commits": registration_commits(Path(plan["file"])), "chats": plan["tasks"]["num"]}
+    return runner.report(Path(plan["tasks"]["path"]), Path(plan["results"]), all_cells(plan), {"preregistration": registration},
+                         tuple(plan["routes"]))

@@ -1,5 +1,5 @@
-"""Run chats through a route under every policy x compression, one result row per chat appended as it ends
-(a stopped run resumes where it stopped), and summarise every route's rows against the full cache.
+"""Run chats through a route under policies x compressions, one result row per chat appended as it ends (a
+stopped run resumes where it stopped), and summarise every route's rows against the full cache.
 
     <out-dir>/settings.json                     what the rows were made with (a resume must match it)
     <out-dir>/rows/<route>/<policy>@<r>.jsonl   one line per chat
@@ -13,8 +13,10 @@ import hashlib
 import json
 from pathlib import Path
 
-from kvpop_eval.multiturn import analysis
+import numpy as np
+
 from kvpop_eval.provenance import stamp
+from kvpop_eval.quality.analysis import cell_statistics
 
 ROUTES = ("sessions", "openai")
 SCORING = "the answer and no competing value of its kind in the reply"
@@ -49,32 +51,35 @@ def check_settings(out_dir: Path, settings: dict) -> None:
         path.write_text(json.dumps(settings, indent=2) + "\n")
 
 
-def configurations(policies: list[str], compressions: list[float]) -> list[tuple[str, float]]:
+def cells_of(policies: list[str], compressions: list[float]) -> list[tuple[str, float]]:
+    """(policy, compression) of every policy at every compression, the full cache once (at 0)."""
     return [(policy, ratio) for policy in policies for ratio in ([0.0] if policy == "full" else compressions)]
 
 
-def run(route: str, tasks: Path, policies: list[str], compressions: list[float], out_dir: Path, reply_tokens: int,
-        answer_tokens: int, model: Path, openai_url: str | None = None) -> None:
-    """Every policy x compression through `route`, skipping the chats whose rows exist."""
+def run(route: str, tasks: Path, cells: list[tuple[str, float]], out_dir: Path, reply_tokens: int, answer_tokens: int,
+        model: Path, openai_url: str | None = None, chunk: int = 16) -> None:
+    """Every (policy, compression) of `cells` through `route`, skipping the chats whose rows exist: `chunk` chats
+    at a time under every cell in turn, so the cells' rows fill together and a stopped run leaves them even."""
     if route not in ROUTES:
         raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
     chats = load_chats(tasks)
     check_settings(out_dir, {"tasks_sha256": sha256(tasks), "reply_tokens": reply_tokens, "answer_tokens": answer_tokens})
-    todo = []
-    for policy, ratio in configurations(policies, compressions):
-        path = rows_path(out_dir, route, policy, ratio)
-        done = read_rows(path)
-        left = [chat for chat in chats if chat["index"] not in done]
-        if left:
-            todo.append((policy, ratio, path, left))
-        print(f"{route} {policy} @ {ratio:.0%}: {len(done)} of {len(chats)} chats done", flush=True)
-    if not todo:
+    done = {cell: set(read_rows(rows_path(out_dir, route, *cell))) for cell in cells}
+    for (policy, ratio), indices in done.items():
+        print(f"{route} {policy} @ {ratio:.0%}: {len(indices)} of {len(chats)} chats done", flush=True)
+    if all(len(indices) == len(chats) for indices in done.values()):
         return
     with _route(route, model, openai_url, out_dir) as (run_chats, target):
-        for policy, ratio, path, left in todo:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with path.open("a") as rows:
-                run_chats(target, left, policy, ratio, reply_tokens, answer_tokens, _row_writer(rows, f"{route} {policy} @ {ratio:.0%}", len(left)))
+        for start in range(0, len(chats), chunk):
+            for policy, ratio in cells:
+                left = [chat for chat in chats[start : start + chunk] if chat["index"] not in done[(policy, ratio)]]
+                if not left:
+                    continue
+                path = rows_path(out_dir, route, policy, ratio)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with path.open("a") as rows:
+                    label = f"{route} {policy} @ {ratio:.0%} (chats {start}-{start + len(left) - 1})"
+                    run_chats(target, left, policy, ratio, reply_tokens, answer_tokens, _row_writer(rows, label, len(left)))
 
 
 def _row_writer(rows, label: str, total: int):
@@ -109,8 +114,18 @@ def _route(route: str, model: Path, openai_url: str | None, out_dir: Path):
         yield openai_route.run_chats, url
 
 
-def summary_row(policy: str, compression: float, chats: list[dict], rows: dict[int, dict]) -> dict:
-    ordered = [rows[chat["index"]] for chat in chats]
+def done_in_order(chats: list[dict], rows: dict[int, dict]) -> list[dict]:
+    """The rows of the chats run so far, in the chats' order, up to the first one not yet run: what a summary
+    reports is always a prefix of the registered chats, never a selection."""
+    ordered = []
+    for chat in chats:
+        if chat["index"] not in rows:
+            break
+        ordered.append(rows[chat["index"]])
+    return ordered
+
+
+def summary_row(policy: str, compression: float, ordered: list[dict]) -> dict:
     count = len(ordered)
     return {"policy": policy, "compression": compression, "tasks": count,
             "accuracy": sum(row["correct"] for row in ordered) / count,
@@ -123,28 +138,34 @@ def summary_row(policy: str, compression: float, chats: list[dict], rows: dict[i
             "answers": [row["generated"] for row in ordered]}
 
 
-def report(tasks: Path, out_dir: Path, policies: list[str], compressions: list[float], extra: dict | None = None,
+def versus_full(row: dict, full: dict) -> dict:
+    """kvpop_eval.quality.analysis's statistics of a row against the full cache, on the chats both have run."""
+    count = min(row["tasks"], full["tasks"])
+    correct, reference = (np.array([char == "1" for char in summary["correct_by_task"][:count]]) for summary in (row, full))
+    return cell_statistics(correct, reference)
+
+
+def report(tasks: Path, out_dir: Path, cells: list[tuple[str, float]], extra: dict | None = None,
            routes: tuple[str, ...] | None = None) -> dict:
-    """multiturn.json of `routes` (default: those with rows): each configuration's summary, and its figures
-    against the full cache. `complete` is false while a configuration misses chats (docs_results will not
-    publish it)."""
+    """multiturn.json of `routes` (default: those with rows): each cell's summary over the chats it has run (a
+    prefix of the tasks file), and its figures against the full cache. `all_chats_ran` is false while a cell misses
+    chats; every row says how many it ran."""
     chats = load_chats(tasks)
     settings = json.loads((out_dir / "settings.json").read_text())
     summary = {"tasks": len(chats), "scoring": SCORING, "tasks_file": str(tasks), "tasks_sha256": sha256(tasks),
                "shape": chats[0]["shape"], "reply_tokens": settings["reply_tokens"], "answer_tokens": settings["answer_tokens"],
-               **(extra or {}), "complete": True, "routes": {}}
+               **(extra or {}), "all_chats_ran": True, "routes": {}}
     for route in routes or [route for route in ROUTES if (out_dir / "rows" / route).exists()]:
         results = []
-        for policy, ratio in configurations(policies, compressions):
-            rows = read_rows(rows_path(out_dir, route, policy, ratio))
-            if len(rows) < len(chats):
-                summary["complete"] = False
-                continue
-            results.append(summary_row(policy, ratio, chats, rows))
+        for policy, ratio in cells:
+            ordered = done_in_order(chats, read_rows(rows_path(out_dir, route, policy, ratio)))
+            summary["all_chats_ran"] &= len(ordered) == len(chats)
+            if ordered:
+                results.append(summary_row(policy, ratio, ordered))
         full = next((row for row in results if row["policy"] == "full"), None)
         for row in results:
             if full is not None and row is not full:
-                row["versus_full"] = analysis.compare(row, full)
+                row["versus_full"] = versus_full(row, full)
         if results:
             summary["routes"][route] = {"results": results}
     summary = stamp(summary)

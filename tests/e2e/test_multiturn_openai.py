@@ -12,7 +12,7 @@ pytestmark = pytest.mark.server
 
 
 def test_chats_resend_the_conversation_and_the_server_compresses_each_turn(triton_server, tmp_path):
-    chats = [make_chat("validation", index, ChatShape(statement_turns=3, filler=1, competitors=1, other_facts=0)) for index in range(2)]
+    chats = [make_chat("validation", index, ChatShape(statement_turns=3, passage_chars=60, competitors=1, other_facts=0)) for index in range(2)]
     rows: dict[str, list[dict]] = {"full": [], "kvpop": [], "keep_start": []}
     with openai_route.started_api(triton_server.grpc_url, tmp_path) as url:
         for policy, found in rows.items():

@@ -245,6 +245,7 @@ eval-multiturn-validation: setup  ## [evaluate] MULTITURN_VALIDATION_NUM validat
 
 eval-multiturn: setup  ## [evaluate] the pre-registered multi-turn chats through sessions and the OpenAI API, full vs kvpop and keep_start at 88/94% (hours on 2 cores; resumes): build/results/multiturn/
 	@test -f model_repository/kvpop_engine/1/model_spec.json || { echo "no exported model: run 'make export' first"; exit 1; }
+	@test -f docs/results/preregistration-multiturn.json || { echo "no registered test plan (docs/results/preregistration-multiturn.json): register one first"; exit 1; }
 	$(PY) -m kvpop_eval.multiturn test $(if $(MULTITURN_OPENAI_URL),--openai-url $(MULTITURN_OPENAI_URL))
 
 tasks: setup  ## write 200 reference tasks of TASK_SPLIT (default heldout) at TASK_TOKENS (default 2048) to build/tasks/

@@ -5,7 +5,9 @@ cache; the pre-registration."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+from dataclasses import asdict
 
 import pytest
 
@@ -108,12 +110,15 @@ def test_a_summary_reports_the_chats_run_so_far_in_order(tmp_path):
     assert kvpop["versus_full"]["tasks"] == 2 and kvpop["versus_full"]["ratio"] == 0.5 and kvpop["versus_full"]["lost"] == 1
 
 
-def test_the_test_chats_are_the_preregistered_ones(tmp_path):
-    """The registered plan names at least 100 chats, every route, and the chats the generator makes now."""
-    registered = plan.load_plan()
-    assert registered["tasks"]["num"] >= 100 and set(registered["routes"]) == set(runner.ROUTES)
-    assert {"full", "kvpop", "keep_start"} <= set(registered["policies"]) and set(registered["compressions"]) == {0.88, 0.94}
-    ran = {(step["route"], policy, ratio) for step in registered["order"] for policy, ratio in step["cells"]}
-    assert ran == {(route, policy, ratio) for route in registered["routes"] for policy, ratio in plan.all_cells(registered)}
-    registered["tasks"]["path"] = str(tmp_path / "chats.jsonl")
-    assert len(plan.write_tasks(registered).read_text().splitlines()) == registered["tasks"]["num"]
+def test_a_plan_writes_its_registered_chats_and_refuses_others(tmp_path):
+    """A plan regenerates its chats and runs only those whose sha256 it registered."""
+    shape = ChatShape(statement_turns=3, passage_chars=80, competitors=1, other_facts=1)
+    text = plan.chats_text("test", 3, shape)
+    registered = {"tasks": {"path": str(tmp_path / "chats.jsonl"), "split": "test", "num": 3, "shape": asdict(shape),
+                            "sha256": hashlib.sha256(text.encode()).hexdigest()},
+                  "policies": ["full", "kvpop", "keep_start"], "compressions": [0.88, 0.94]}
+    assert plan.write_tasks(registered).read_text() == text
+    assert plan.all_cells(registered) == [("full", 0.0), ("kvpop", 0.88), ("kvpop", 0.94), ("keep_start", 0.88), ("keep_start", 0.94)]
+    registered["tasks"]["num"] = 4
+    with pytest.raises(ValueError, match="not the registered"):
+        plan.write_tasks(registered)

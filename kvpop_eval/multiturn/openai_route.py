@@ -66,7 +66,7 @@ def started_server(model_repository: Path, log_dir: Path) -> Iterator[str]:
 
     log_dir.mkdir(parents=True, exist_ok=True)
     server = TritonServer(model_repository=model_repository, http_port=free_port(), grpc_port=free_port(),
-                          metrics_port=free_port(), address="127.0.0.1", model_config_name="cpu",
+                          metrics_port=free_port(), address="127.0.0.1", model_config_name="cpu", state_dir=log_dir / "state",
                           log_file=log_dir / "tritonserver.log")
     with server, started_api(server.grpc_url, log_dir) as url:
         yield url

@@ -124,7 +124,7 @@ SOAK_MINUTES ?= 10
 soak: setup  ## [test] SOAK_MINUTES of mixed streaming/complete load at saturation on the exported model: build/results/soak/soak.json
 	$(PY) -m loadtest.soak --minutes $(SOAK_MINUTES) --out build/results/soak/soak.json
 
-reference-model: setup  ## train the shipped reference model (resumes models/reference/checkpoint; hours on a CPU)
+reference-model: setup  ## train the shipped reference model (resumes its checkpoint in build/checkpoints/reference; hours on a CPU)
 	$(PY) -m kvpop_train.reference.train --out $(REFERENCE) --threads $(THREADS)
 
 eval-reference: setup  ## full-cache and StreamingLLM accuracy of the reference model per context length (JSON + plot)

@@ -41,7 +41,7 @@ class ServiceConfig:
     # a prompt of up to this many tokens whole, then evicts (Engine whole_prompt_tokens); 0: evict while prefilling
     whole_prompt_tokens: int = 4096
     max_step_tokens: int = 0  # prompt tokens fed per engine step beside the decodes (0: one chunk)
-    prefill_pacing: float = 0.0  # prompt work per step beside decodes, in measured decode steps' time (0: off; kvpop.prefill_pacer)
+    prefill_pacing: float = 0.0  # prompt work per step beside decodes, in measured decode steps' time (0: off; kvpop.engine.prefill_pacer)
     ort_threads: int = 0  # onnxruntime intra-op threads (0: onnxruntime's default)
     kv_pool_mb: int = 1024  # KV memory per instance for all running sequences (admission control)
     min_kv_budget: int = 64  # when the pool is tight, bounded requests may be degraded down to this

@@ -18,7 +18,7 @@ def render_card(summary: dict, evaluation: dict | None = None) -> str:
         "",
         "A small `LlamaForCausalLM` trained from scratch on the KVpop long-context multi-step arithmetic",
         "tasks (`kvpop_eval.tasks`), so that KV-cache eviction can be measured on a model that really reads",
-        "its context. Reproduce with `make reference-model` (resumes from `models/reference/checkpoint/`);",
+        "its context. Reproduce with `make reference-model` (resumes from `build/checkpoints/reference/`);",
         "measure with `make eval-reference`.",
         "",
         "## Architecture",

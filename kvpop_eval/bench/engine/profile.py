@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-chunk", type=int, default=256)
     parser.add_argument("--policies", nargs="+", default=["full", "kvpop"])
     parser.add_argument("--prefill-pacing", type=float, default=0.0,
-                        help="the service's prefill_pacing (kvpop.prefill_pacer); 0: one chunk per step")
+                        help="the service's prefill_pacing (kvpop.engine.prefill_pacer); 0: one chunk per step")
     parser.add_argument("--reason-tokens", type=int, default=0,
                         help="also run --reason-streams prompts of 512 tokens with this many output tokens each (workload (b))")
     parser.add_argument("--reason-streams", type=int, default=8, help="sequences of the reasoning scenario")

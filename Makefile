@@ -128,7 +128,7 @@ reference-model: setup  ## train the shipped reference model (resumes its checkp
 	$(PY) -m kvpop_train.reference.train --out $(REFERENCE) --threads $(THREADS)
 
 eval-reference: setup  ## full-cache and StreamingLLM accuracy of the reference model per context length (JSON + plot)
-	$(PY) -m kvpop_train.reference.evaluate --model $(REFERENCE) --lengths 512 1024 2048 --num 200 --threads $(THREADS) \
+	$(PY) -m kvpop_eval.reference_model --model $(REFERENCE) --lengths 512 1024 2048 --num 200 --threads $(THREADS) \
 		--out $(RESULTS_OUT)/reference-model
 
 # A real model's scorers are trained on generic English (stdlib docstrings with recall continuations,
@@ -244,7 +244,7 @@ eval-multiturn: setup  ## [evaluate] chats whose first turn's fact is asked MULT
 		--policies full,kvpop:mlstm,kvpop:mlstm+noquery,streaming --compressions 0.88 --out-dir $(RESULTS_OUT)/multiturn
 
 tasks: setup  ## write 200 reference tasks of TASK_SPLIT (default heldout) at TASK_TOKENS (default 2048) to build/tasks/
-	$(PY) -m kvpop_eval.tasks write --split $(TASK_SPLIT) --num 200 --context-tokens $(TASK_TOKENS) $(if $(TASK_FACTS),--num-facts $(TASK_FACTS)) --out $(TASKS_FILE)
+	$(PY) -m kvpop_tasks write --split $(TASK_SPLIT) --num 200 --context-tokens $(TASK_TOKENS) $(if $(TASK_FACTS),--num-facts $(TASK_FACTS)) --out $(TASKS_FILE)
 
 eval-sweep: tasks  ## [evaluate] every policy x compression 0-94% on the reference model, TASK_SPLIT (default heldout): build/results/quality-reference-<tokens>/
 	@test -f $(EVAL_MODEL)/model_spec.json || $(PY) -m export --model $(REFERENCE) --output $(EVAL_MODEL)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from kvpop_eval.tasks import generate_split
+from kvpop_tasks import generate_split
 from kvpop_train.reference.batches import IGNORE, TrainingStream
 from kvpop_train.reference.checkpoint import (
     TrainingState,

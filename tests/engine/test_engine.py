@@ -249,7 +249,7 @@ def test_every_policy_matches_hf_greedy_on_the_reference_model(reference_onnx_mo
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from kvpop_eval.tasks import TaskConfig, generate_task
+    from kvpop_tasks import TaskConfig, generate_task
 
     tokenizer = AutoTokenizer.from_pretrained(reference_onnx_model_dir / "tokenizer")
     prompts = [tokenizer(generate_task(TaskConfig(context_tokens=256), "test", index).prompt).input_ids for index in range(2)]

@@ -12,7 +12,7 @@ from kvpop_eval.engine_factory import build_engine, resolve_scorer
 from kvpop_eval.quality import encode, paired_counts, wilson_interval
 from kvpop_eval.quality.__main__ import main as cli_main
 from kvpop_eval.quality.harness import evaluate
-from kvpop_eval.tasks import TaskConfig, generate_task
+from kvpop_tasks import TaskConfig, generate_task
 
 
 def test_quality_harness_single_run_and_sweep(tiny_onnx_model_dir, tmp_path):

@@ -79,7 +79,7 @@ def test_line_break_table_marks_the_tokens_holding_a_newline():
 def line_scorer_dir(tiny_hf_model_dir, tmp_path_factory, request):
     """The tiny model's trained mLSTM scorer as one shared ranking, pooled by line, exported."""
     from kvpop_train.scorer.network import Scorer, load_scorer
-    from kvpop_train.scorer.onnx_export import export_scorer
+    from export.scorer_onnx import export_scorer
 
     trained = load_scorer(tiny_hf_model_dir / "scorer" / "scorer_mlstm.pt")
     pooled = Scorer(dataclasses.replace(trained.config, shared_ranking=True, span_pooling=request.param)).eval()

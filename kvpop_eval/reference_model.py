@@ -43,7 +43,7 @@ def load_records(args: argparse.Namespace) -> dict[str, list[dict]]:
 def evaluate_records(engine: Engine, records: list[dict], args: argparse.Namespace, label: str) -> dict:
     full = evaluate(engine, records, CacheConfig("full"), args.max_new_tokens)
     streaming = evaluate(
-        engine, records, CacheConfig("streaming", compression=args.compression, sinks=args.sink_tokens), args.max_new_tokens
+        engine, records, CacheConfig("streaming", compression=args.compression, options=dict(sinks=args.sink_tokens)), args.max_new_tokens
     )
     samples = [
         {"answer": full_row["answer"], "full": full_row["generated"], "streaming": streaming_row["generated"]}

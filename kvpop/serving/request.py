@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from kvpop.policies import policy_defaults
 from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
 from kvpop.serving import contract
 from kvpop.serving.config import ServiceConfig
@@ -156,10 +157,32 @@ def parse_request(
     tokenizer,
     vocab_size: int,
     config: ServiceConfig,
-    kvpop_scorer: str = "accumulated_attention",
+    policy_options: Mapping[str, Any] | None = None,
 ) -> ParsedRequest:
-    """Validate inputs and build the engine request. `get_input(name)` returns a numpy array or None."""
+    """Validate inputs and build the engine request, one concern of the contract at a time: the prompt, the
+    one-value options, the stop strings, sampling, the cache, the session. `get_input(name)` returns a numpy
+    array or None. `policy_options`: every request's options by policy name (kvpop.policies.registry.policy_defaults;
+    None: the deployment's settings on a model without policy assets)."""
     parameters = _merge_sampling_parameters(get_input("sampling_parameters"), parameters)
+    prompt_ids = _prompt_ids(get_input, parameters, tokenizer, vocab_size, config)
+    values = _option_values(get_input, parameters)
+    sampling = _sampling(values, _stop_strings(get_input, parameters), config)
+    try:
+        cache = request_cache_config(values["eviction_policy"] or config.default_policy, values["kv_budget"],
+                                     values["compression_ratio"], config, policy_options)
+    except ValueError as error:
+        raise InvalidRequestError(str(error)) from None
+    generation = GenerationRequest(request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, cache=cache,
+                                   session_id=_session_id(values), end_session=bool(values["session_close"]))
+    echo_prompt = values["exclude_input_in_output"] is False
+    if echo_prompt and values["stream"]:
+        raise InvalidRequestError("exclude_input_in_output=false is supported for complete answers only, not streams")
+    return ParsedRequest(generation=generation, stream=bool(values["stream"]), echo_prompt=echo_prompt)
+
+
+def _prompt_input(get_input: Callable[[str], np.ndarray | None], parameters: dict[str, Any], tokenizer,
+                  config: ServiceConfig) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(text, ids): exactly one of the contract's prompt inputs, a chat rendered as text."""
     text = get_input("text_input")
     ids = get_input("input_ids")
     if text is None and "text_input" in parameters:
@@ -181,7 +204,13 @@ def parse_request(
     if (text is None) == (ids is None):
         raise InvalidRequestError(
             f"send exactly one of text_input ({_wire('text_input')}) or input_ids ({_wire('input_ids')} [1, N])")
+    return text, ids
 
+
+def _prompt_ids(get_input: Callable[[str], np.ndarray | None], parameters: dict[str, Any], tokenizer, vocab_size: int,
+                config: ServiceConfig) -> list[int]:
+    """The prompt's token ids: its text tokenized, or its ids checked against the vocabulary."""
+    text, ids = _prompt_input(get_input, parameters, tokenizer, config)
     if text is not None:
         if text.size != 1:
             raise InvalidRequestError(f"text_input must hold exactly one string, got shape {list(text.shape)}")
@@ -210,7 +239,12 @@ def parse_request(
         raise InvalidRequestError(
             f"prompt has {len(prompt_ids)} tokens; this service accepts at most {config.max_prompt_tokens}"
         )
+    return prompt_ids
 
+
+def _option_values(get_input: Callable[[str], np.ndarray | None], parameters: dict[str, Any]) -> dict[str, Any]:
+    """The contract's one-value inputs (an input tensor, else a request parameter of the same name), None where
+    not sent; guided decoding, which the contract declares only to refuse, refused."""
     values = {name: _scalar(name, get_input(name), parameters.get(name)) for name in SCALAR_INPUTS}
     # perf_analyzer fills every optional input with zeros or empty strings: where zero or "" is not a
     # meaningful setting it means "not sent" (max_tokens 0 is the default, eviction_policy "" too).
@@ -223,6 +257,11 @@ def parse_request(
         guide = get_input(name)
         if guide is not None and any(not _blank(_decode_utf8(item, name)) for item in guide.reshape(-1)):
             raise InvalidRequestError(f"{name}: guided decoding is not supported by this engine")
+    return values
+
+
+def _stop_strings(get_input: Callable[[str], np.ndarray | None], parameters: dict[str, Any]) -> tuple[str, ...]:
+    """The contract's stop inputs (`stop`, `stop_words`), else a `stop` parameter; blank ones dropped, bounded."""
     stop_tensors = [(name, get_input(name)) for name in STOP_INPUTS]
     stop: tuple[str, ...] = tuple(_decode_utf8(item, name) for name, tensor in stop_tensors if tensor is not None
                                   for item in tensor.reshape(-1))
@@ -232,13 +271,16 @@ def parse_request(
     # Stop strings are matched against the decoded tail every step: bound their cost.
     if len(stop) > MAX_STOP_STRINGS or any(len(item) > MAX_STOP_LENGTH for item in stop):
         raise InvalidRequestError(f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} characters")
+    return stop
 
+
+def _sampling(values: dict[str, Any], stop: tuple[str, ...], config: ServiceConfig) -> SamplingParams:
     max_tokens = values["max_tokens"] if values["max_tokens"] is not None else config.default_max_tokens
     if not 1 <= max_tokens <= config.max_output_tokens:
         raise InvalidRequestError(f"max_tokens must be in [1, {config.max_output_tokens}], got {max_tokens}")
     ignore_eos = bool(values["ignore_eos"]) or _check_tool_inputs(values, max_tokens)
     try:
-        sampling = SamplingParams(
+        return SamplingParams(
             temperature=values["temperature"] if values["temperature"] is not None else 0.0,
             top_p=values["top_p"] if values["top_p"] is not None else 1.0,
             top_k=values["top_k"] if values["top_k"] is not None else 0,
@@ -247,10 +289,11 @@ def parse_request(
             stop=stop,
             ignore_eos=ignore_eos,
         )
-        policy = values["eviction_policy"] or config.default_policy
-        cache = request_cache_config(policy, values["kv_budget"], values["compression_ratio"], config, kvpop_scorer)
     except ValueError as error:
         raise InvalidRequestError(str(error)) from None
+
+
+def _session_id(values: dict[str, Any]) -> str | None:
     session_id = values["session_id"]
     if session_id is not None:
         from kvpop.sessions import InvalidSessionId, validate_session_id
@@ -261,26 +304,23 @@ def parse_request(
             raise InvalidRequestError(str(error)) from None
     elif values["session_close"]:
         raise InvalidRequestError("session_close needs a session_id")
-    generation = GenerationRequest(request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, cache=cache,
-                                   session_id=session_id, end_session=bool(values["session_close"]))
-    echo_prompt = values["exclude_input_in_output"] is False
-    if echo_prompt and values["stream"]:
-        raise InvalidRequestError("exclude_input_in_output=false is supported for complete answers only, not streams")
-    return ParsedRequest(generation=generation, stream=bool(values["stream"]), echo_prompt=echo_prompt)
+    return session_id
 
 
 def request_cache_config(
-    policy: str, budget: int | None, compression: float | None, config: ServiceConfig, kvpop_scorer: str
+    policy: str, budget: int | None, compression: float | None, config: ServiceConfig,
+    policy_options: Mapping[str, Any] | None = None,
 ) -> CacheConfig:
-    """The cache a request gets (a bounded policy with neither budget nor ratio: the default budget).
-    Warm prefixes are prefilled for exactly these configurations."""
+    """The cache a request gets (a bounded policy with neither budget nor ratio: the default budget), with
+    its policy's options (`parse_request`). Warm prefixes are prefilled for exactly these configurations."""
     if policy == "full":
         if budget is not None or compression is not None:
             raise InvalidRequestError("eviction_policy 'full' keeps every token: omit kv_budget and compression_ratio")
     elif budget is None and compression is None:
         budget = config.default_kv_budget
-    return CacheConfig(policy=policy, budget=budget, compression=compression, scorer=kvpop_scorer,
-                       **(config.kvpop_options(kvpop_scorer) if policy == "kvpop" else {}))
+    if policy_options is None:
+        policy_options = policy_defaults(config.policy_settings, {})
+    return CacheConfig(policy=policy, budget=budget, compression=compression, options=policy_options.get(policy))
 
 
 def _wire(name: str) -> str:

@@ -155,7 +155,7 @@ def test_engine_pools_lines_alike_in_the_decode_batch_and_one_by_one(tiny_onnx_m
     scorers = {"mlstm": LearnedScorer.load(line_scorer_dir, "mlstm")}
     lines = [f"line {i}: the value of item {i} is {i * 37 % 101}.\n" for i in range(12)]
     prompts = [tokenizer.encode("".join(lines[i:] + lines[:i]), add_special_tokens=False) for i in range(3)]
-    config = CacheConfig(policy="kvpop", budget=40, sinks=2, scorer="mlstm")
+    config = CacheConfig(policy="kvpop", budget=40, options=dict(sinks=2, scorer="mlstm"))
     batched_while_prompt_leaves = []
     decodes_in_batch = KVpopPolicy.decodes_in_batch
 
@@ -166,7 +166,7 @@ def test_engine_pools_lines_alike_in_the_decode_batch_and_one_by_one(tiny_onnx_m
         return in_batch
 
     def run(batch: list[int]) -> dict[int, list[int]]:
-        engine = Engine(decoder, EngineConfig(prefill_chunk=32), tokenizer=tokenizer, learned_scorers=scorers)
+        engine = Engine(decoder, EngineConfig(prefill_chunk=32), tokenizer=tokenizer, policy_assets={"kvpop": scorers})
         requests = [GenerationRequest(f"r{i}", prompts[i], SamplingParams(max_tokens=24, ignore_eos=True), config) for i in batch]
         return {int(result.request_id[1:]): result.output_ids for result in engine.generate(requests)}
 

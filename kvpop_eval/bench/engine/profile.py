@@ -91,7 +91,7 @@ def instrument(engine: Engine) -> None:
         wrap(LearnedScorer, "take_piece", "    learned scorer: a piece's rows")
         wrap(query, "pick", "    the question's pick (query.pick)")
         _CLASSES_WRAPPED.append(True)
-    for scorer in engine.learned_scorers.values():
+    for scorer in engine.policy_assets.get("kvpop", {}).values():
         wrap(scorer.runtime, "step", "    learned scorer ONNX")
         wrap(scorer.runtime, "step_decode_batch", "  learned scorer decode graph (B sequences a call)")
 
@@ -105,7 +105,7 @@ KVPOP_SIZE: dict = {"compression": 0.88}
 
 
 def request(name: str, ids: list[int], policy: str, max_tokens: int) -> GenerationRequest:
-    cache = CacheConfig(policy="full") if policy == "full" else CacheConfig(policy="kvpop", scorer="mlstm", window=16, **KVPOP_SIZE)
+    cache = CacheConfig(policy="full") if policy == "full" else CacheConfig(policy="kvpop", **KVPOP_SIZE, options=dict(scorer="mlstm", window=16))
     return GenerationRequest(name, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), cache)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
-from kvpop.serving.admission import OverloadedError
+from kvpop.engine.admission import OverloadedError
 from kvpop.serving.config import ServiceConfig
 from kvpop.serving.contract import ErrorKind
 from kvpop.serving.errors import tagged
@@ -67,7 +67,7 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(f"no exported model in {version_dir}: run `make export`")
         placement = Placement.from_triton_args(args)
         metrics = ServiceMetrics(
-            pb_utils, args["model_name"], placement.label, config.kv_pool_mb * 2**20, KVpopService.policies()
+            pb_utils, args["model_name"], placement.label, config.kv_pool_bytes, KVpopService.policies()
         )
         try:
             self.service = KVpopService(version_dir, config, placement, metrics, model_state_dir(args["model_name"]))

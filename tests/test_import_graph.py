@@ -1,5 +1,5 @@
 """The project's code imports in one direction: no cycle among its modules, and none among its packages at
-any depth (kvpop <-> kvpop_eval, kvpop.cache <-> kvpop.engine, kvpop.serving.engine_model <-> kvpop.serving.process
+any depth (kvpop <-> kvpop_eval, kvpop.cache <-> kvpop.engine, kvpop.serving.engine_model <-> kvpop.serving.process.tritonserver
 ...), counting every import (top level, inside functions, and under TYPE_CHECKING). Every Python package of the
 repository is in the graph: the runtime, the offline packages, the client, the load tests, deploy and the two
 Triton models."""

@@ -107,8 +107,8 @@ def test_a_compression_ratio_has_no_fixed_budget_to_warm(decoder, scorers):
 
 
 def test_the_warm_prefixes_parameter_is_validated_at_load():
-    from kvpop.serving.config import ServiceConfig
-    from kvpop.serving.warm_prefixes import parse_warm_prefixes, warm_policies
+    from kvpop.serving.kvpop_engine.config import ServiceConfig
+    from kvpop.serving.kvpop_engine.warm_prefixes import parse_warm_prefixes, warm_policies
 
     system = [{"role": "system", "content": "Be brief."}]
     assert parse_warm_prefixes('["You are helpful.", [{"role": "system", "content": "Be brief."}]]') == ["You are helpful.", system]

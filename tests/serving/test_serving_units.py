@@ -11,8 +11,8 @@ from kvpop.model_spec import ModelSpec
 from kvpop.cache.manager import CacheManager
 from kvpop.cache.reservations import KVReservations
 from kvpop.engine.admission import AdmissionPolicy, Pending, WaitingQueue
-from kvpop.serving.config import ServiceConfig
-from kvpop.serving.request import InvalidRequestError, parse_parameters, parse_request
+from kvpop.serving.kvpop_engine.config import ServiceConfig
+from kvpop.serving.kvpop_engine.parse import InvalidRequestError, parse_parameters, parse_request
 
 SPEC = ModelSpec("LlamaForCausalLM", num_layers=2, num_attention_heads=4, num_kv_heads=2, head_dim=16,
                  vocab_size=320, dtype="float32", max_position_embeddings=4096)  # 512 bytes per slot
@@ -212,7 +212,7 @@ def test_the_serving_runtime_imports_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys, kvpop.serving.service, kvpop.serving.worker, kvpop.serving.metrics, kvpop.policies.kvpop.runtime; "
+    code = ("import sys, kvpop.serving.kvpop_engine.model, kvpop.serving.kvpop_engine.worker, kvpop.serving.kvpop_engine.metrics, kvpop.policies.kvpop.runtime; "
             "print('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
 
@@ -230,7 +230,7 @@ def test_error_tags_keep_their_kind_through_a_message():
 
 
 def test_front_end_splits_a_batch_and_types_its_parameters():
-    from kvpop.serving.frontend import engine_prompts
+    from kvpop.serving.kvpop_service.frontend import engine_prompts
 
     dtypes = {"text_input": np.dtype(object), "temperature": np.dtype(np.float32), "kv_budget": np.dtype(np.int32),
               "eviction_policy": np.dtype(object), "stop": np.dtype(object)}
@@ -255,7 +255,7 @@ def test_front_end_splits_a_batch_and_types_its_parameters():
     ({}, {}, "send text_input"),
 ])
 def test_front_end_refuses_what_it_cannot_forward(inputs, parameters, message):
-    from kvpop.serving.frontend import engine_prompts
+    from kvpop.serving.kvpop_service.frontend import engine_prompts
 
     dtypes = {"kv_budget": np.dtype(np.int32), "temperature": np.dtype(np.float32)}
     with pytest.raises(InvalidRequestError, match=message):
@@ -263,7 +263,7 @@ def test_front_end_refuses_what_it_cannot_forward(inputs, parameters, message):
 
 
 def test_batched_answers_are_padded_to_the_longest():
-    from kvpop.serving.forwarder import PAD_TOKEN_ID, merge_answers
+    from kvpop.serving.kvpop_service.forwarder import PAD_TOKEN_ID, merge_answers
 
     merged = merge_answers([{"output_ids": np.array([[1, 2, 3]]), "num_output_tokens": np.array([[3]])},
                             {"output_ids": np.array([[4]]), "num_output_tokens": np.array([[1]])}])
@@ -326,7 +326,7 @@ def test_query_aware_kvpop_is_a_service_parameter():
     """kvpop_query_window / kvpop_span_pooling reach every kvpop request's cache (and only kvpop's); bad
     values fail at load with the parameter's name."""
     from kvpop.policies import policy_defaults
-    from kvpop.serving.request import request_cache_config
+    from kvpop.serving.kvpop_engine.parse import request_cache_config
 
     def parameters(**values):
         return {"parameters": {key: {"string_value": value} for key, value in values.items()}}

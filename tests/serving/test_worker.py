@@ -15,9 +15,9 @@ from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
 from kvpop.model_spec import ModelSpec
 from kvpop.cache.reservations import KVReservations
 from kvpop.engine.admission import OverloadedError
-from kvpop.serving.metrics import NullMetrics, SequenceCounts
-from kvpop.serving.request import ParsedRequest
-from kvpop.serving.worker import EngineWorker
+from kvpop.serving.kvpop_engine.metrics import NullMetrics, SequenceCounts
+from kvpop.serving.kvpop_engine.parse import ParsedRequest
+from kvpop.serving.kvpop_engine.worker import EngineWorker
 
 
 class ListChannel:
@@ -168,7 +168,7 @@ def test_a_prompt_fed_in_several_chunks_never_waits_idle(tiny_onnx_model_dir, mo
     one wait per chunk: most of its time to first token through the server)."""
     from transformers import AutoTokenizer
 
-    from kvpop.serving import worker as worker_module
+    from kvpop.serving.kvpop_engine import worker as worker_module
 
     decoder = DecoderStep(tiny_onnx_model_dir)
     tokenizer = AutoTokenizer.from_pretrained(tiny_onnx_model_dir / "tokenizer")

@@ -20,10 +20,10 @@ from kvpop.engine import Engine
 from kvpop.engine.admission import OverloadedError
 from kvpop.request import NO_TOKEN, TokenEvent
 from kvpop.serving.contract import ErrorKind
-from kvpop.serving.drain import DrainSignal
-from kvpop.serving.metrics import NullMetrics, SequenceCounts
-from kvpop.serving.request import InvalidRequestError, ParsedRequest
-from kvpop.serving.responses import output_tensors
+from kvpop.serving.process.drain import DrainSignal
+from kvpop.serving.kvpop_engine.metrics import NullMetrics, SequenceCounts
+from kvpop.serving.kvpop_engine.parse import InvalidRequestError, ParsedRequest
+from kvpop.serving.kvpop_engine.responses import output_tensors
 
 
 class ResponseChannel(Protocol):

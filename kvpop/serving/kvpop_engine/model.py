@@ -18,11 +18,11 @@ from kvpop.cache.reservations import KVReservations
 from kvpop.decoder import DecoderStep
 from kvpop.engine import Engine, EngineConfig
 from kvpop.policies import POLICIES, load_policy_assets, policy_defaults
-from kvpop.serving.config import ServiceConfig
-from kvpop.serving.drain import DrainSignal
-from kvpop.serving.request import InvalidRequestError, parse_request, request_cache_config
-from kvpop.serving.warm_prefixes import parse_warm_prefixes, prefix_token_ids, warm_policies
-from kvpop.serving.worker import EngineWorker, ResponseChannel
+from kvpop.serving.kvpop_engine.config import ServiceConfig
+from kvpop.serving.process.drain import DrainSignal
+from kvpop.serving.kvpop_engine.parse import InvalidRequestError, parse_request, request_cache_config
+from kvpop.serving.kvpop_engine.warm_prefixes import parse_warm_prefixes, prefix_token_ids, warm_policies
+from kvpop.serving.kvpop_engine.worker import EngineWorker, ResponseChannel
 from kvpop.sessions import SessionStore, TierLimits, model_fingerprint
 
 TOKENIZER_DIRNAME = "tokenizer"
@@ -45,7 +45,7 @@ class Placement:
         return f"{self.device}:{self.device_id}"
 
 
-class KVpopService:
+class KVpopEngineModel:
     def __init__(self, model_dir: Path, config: ServiceConfig, placement: Placement = Placement("cpu"), metrics=None,
                  state_dir: Path | None = None):
         from transformers import AutoTokenizer
@@ -133,4 +133,4 @@ class KVpopService:
         self.sessions.close()
 
 
-__all__ = ["InvalidRequestError", "KVpopService", "Placement", "ServiceConfig"]
+__all__ = ["InvalidRequestError", "KVpopEngineModel", "Placement", "ServiceConfig"]

@@ -15,7 +15,7 @@ import numpy as np
 from kvpop.policies import policy_defaults
 from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
 from kvpop.serving import contract
-from kvpop.serving.config import ServiceConfig
+from kvpop.serving.kvpop_engine.config import ServiceConfig
 from kvpop.serving.contract import MAX_STOP_LENGTH, MAX_STOP_STRINGS, SAMPLING_PARAMETER_KEYS
 
 
@@ -102,7 +102,7 @@ def parse_parameters(text: str | None) -> dict[str, Any]:
 def chat_prompt(get_input: Callable[[str], np.ndarray | None], parameters: dict[str, Any], tokenizer) -> np.ndarray | None:
     """The `messages` input (one BYTES element of JSON, or a request parameter) rendered by the model's
     chat template, as a `text_input` tensor; None when the request has no messages."""
-    from kvpop.serving.chat import InvalidMessagesError, parse_messages, render_chat
+    from kvpop.serving.kvpop_engine.chat import InvalidMessagesError, parse_messages, render_chat
 
     tensor = get_input("messages")
     if tensor is None and "messages" not in parameters:
@@ -120,7 +120,7 @@ def chat_prompt(get_input: Callable[[str], np.ndarray | None], parameters: dict[
 
 def _text_as_user_turn(parameters: dict[str, Any], tokenizer, config: ServiceConfig) -> bool:
     """Whether a `text_input` goes through the model's chat template as one user message
-    (kvpop.serving.config.TEXT_INPUT_CHAT says why)."""
+    (kvpop.serving.kvpop_engine.config.TEXT_INPUT_CHAT says why)."""
     raw = parameters.get("raw_prompt", False)
     if isinstance(raw, str):
         raw = raw.strip().lower() in ("1", "true", "yes")
@@ -132,7 +132,7 @@ def _text_as_user_turn(parameters: dict[str, Any], tokenizer, config: ServiceCon
 def _user_turn(text: np.ndarray, tokenizer) -> np.ndarray:
     """A non-empty text_input (one string) as the prompt of a one-message chat; anything else as is,
     for the checks below to refuse."""
-    from kvpop.serving.chat import render_chat
+    from kvpop.serving.kvpop_engine.chat import render_chat
 
     if text.size != 1 or not _non_empty_text(text):
         return text

@@ -42,7 +42,7 @@ class ServiceConfig:
     session_warm_mb: int = 1024  # more sessions kept in host memory
     session_cold_mb: int = 8192  # session checkpoints on disk; the oldest beyond this are deleted
     session_ttl_s: float = 86400.0  # checkpoints unused this long are deleted
-    # checkpoint directory: relative to the model's folder in the state directory (kvpop.serving.state_dir,
+    # checkpoint directory: relative to the model's folder in the state directory (kvpop.serving.process.state_dir,
     # `--state-dir`), never the model repository; an absolute path as is; "": no disk tier
     session_dir: str = "sessions"
     text_input_chat: str = "auto"  # auto: a model with a chat template answers text_input as one user message; never: raw
@@ -79,7 +79,7 @@ class ServiceConfig:
             raise ValueError(f"parameter text_input_chat {self.text_input_chat!r} is not one of {list(TEXT_INPUT_CHAT)}")
         if self.default_policy not in registry.POLICIES:
             raise ValueError(f"parameter default_policy {self.default_policy!r} is not one of {sorted(registry.POLICIES)}")
-        from kvpop.serving.warm_prefixes import parse_warm_prefixes, warm_policies
+        from kvpop.serving.kvpop_engine.warm_prefixes import parse_warm_prefixes, warm_policies
 
         parse_warm_prefixes(self.warm_prefixes)
         unknown = [name for name in warm_policies(self.default_policy, self.warm_prefix_policies) if name not in registry.POLICIES]

@@ -51,12 +51,10 @@ class Engine:
         prefixes: PrefixCache | None = None,
         reservations: KVReservations | None = None,
     ) -> None:
-        """`config`: how it batches and schedules. `policy_assets`: what each policy loaded for the model, by
-        policy name (kvpop.policies.registry.load_policy_assets: kvpop's learned scorers), shared by its sequences; `tokenizer`: for the answers' text and stop strings (and policies that read
-        the prompt's text).
-        `sessions`, `prefixes` and `reservations` (the KV pool's ledger, where a server reserves its
-        requests' memory through the cache manager) outlive an engine (a service restarts its engine
-        after a failure)."""
+        """`config`: how it batches, schedules and admits. `policy_assets`: what each policy loaded for the model,
+        by policy name (kvpop.policies.registry.load_policy_assets), shared by its sequences; `tokenizer`: for
+        the answers' text and stop strings (and policies that read the prompt's text). `sessions`, `prefixes` and
+        `reservations` (the KV pool's ledger) outlive an engine (a service restarts its engine after a failure)."""
         self.config = config or EngineConfig()
         self.decoder = decoder
         self.spec = decoder.spec
@@ -102,7 +100,7 @@ class Engine:
 
     def _queue(self, request: GenerationRequest, prefilled: "tuple[SlotCache, int] | None") -> None:
         pending = self.read(request, prefilled)
-        self.waiting.check_fits(pending)
+        self.waiting.check_fits(pending)  # ValueError: it could never run here
         with self._lock:
             if request.request_id in self._request_ids:
                 raise ValueError(f"request id {request.request_id!r} is already in use")
@@ -179,11 +177,6 @@ class Engine:
         """Key/value bytes of the running sequences: the batch pool, caches being prefilled, and the
         chunks they are prefilling (a whole prompt while it is computed in pieces)."""
         return self.cache_manager.kv_bytes_in_use
-
-    @property
-    def hot_session_bytes(self) -> int:
-        """Bytes of sessions kept in instance memory (they count against the KV pool)."""
-        return self.cache_manager.hot_session_bytes
 
     @property
     def sessions(self) -> SessionStore | None:

@@ -1,4 +1,6 @@
-"""Turn one Triton request's tensors and parameters into an engine `GenerationRequest`.
+"""Turn one Triton request's tensors and parameters into an engine `GenerationRequest`, a piece per concern
+of the contract (kvpop.serving.contract): the prompt (kvpop.serving.kvpop_engine.prompt), the one-value
+options, the stop strings, sampling, the cache and its policy's options, the session.
 
 Everything a client can get wrong is checked here and raised as `InvalidRequestError` with a message
 that names the input, so `model.py` can answer that request alone with an error and carry on.
@@ -15,12 +17,10 @@ import numpy as np
 from kvpop.policies import policy_defaults
 from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
 from kvpop.serving import contract
-from kvpop.serving.kvpop_engine.config import ServiceConfig
 from kvpop.serving.contract import MAX_STOP_LENGTH, MAX_STOP_STRINGS, SAMPLING_PARAMETER_KEYS
-
-
-class InvalidRequestError(ValueError):
-    """The request is malformed; the message is sent back to the client."""
+from kvpop.serving.errors import InvalidRequestError
+from kvpop.serving.kvpop_engine.config import ServiceConfig
+from kvpop.serving.kvpop_engine.prompt import blank, decode_utf8, read_prompt
 
 
 # Inputs that carry one value, name -> the Python type it converts to; those whose zero value
@@ -41,19 +41,6 @@ class ParsedRequest:
     echo_prompt: bool = False  # exclude_input_in_output=false: the answer starts with the prompt
 
 
-def _decode_utf8(value: Any, name: str) -> str:
-    if isinstance(value, (bytes, np.bytes_)):
-        try:
-            return bytes(value).decode("utf-8")
-        except UnicodeDecodeError as error:
-            raise InvalidRequestError(f"{name} is not valid UTF-8 ({error.reason} at byte {error.start})") from None
-    if isinstance(value, str):
-        if not contract.encodable(value):
-            raise InvalidRequestError(f"{name} is not valid UTF-8 text (it holds a lone surrogate)")
-        return value
-    raise InvalidRequestError(f"{name} must be BYTES (a UTF-8 string), got {type(value).__name__}")
-
-
 def _scalar(name: str, tensor: np.ndarray | None, parameter: Any) -> Any:
     """One value from a tensor input or, failing that, a request parameter of the same name (checked
     against the input's wire type: kvpop.serving.contract.TensorSpec.check)."""
@@ -63,7 +50,7 @@ def _scalar(name: str, tensor: np.ndarray | None, parameter: Any) -> Any:
             raise InvalidRequestError(f"{name} must hold exactly one value, got shape {list(tensor.shape)}")
         value = tensor.reshape(-1)[0]
         if kind is str:
-            return _decode_utf8(value, name)
+            return decode_utf8(value, name)
         if kind is bool:
             return bool(value)
         if kind is int and not np.issubdtype(np.asarray(value).dtype, np.integer):
@@ -77,7 +64,7 @@ def _scalar(name: str, tensor: np.ndarray | None, parameter: Any) -> Any:
     if kind is bool:
         return parameter.strip().lower() in ("1", "true", "yes") if isinstance(parameter, str) else bool(parameter)
     if kind is str:
-        return _decode_utf8(parameter if isinstance(parameter, str) else str(parameter), f"parameter {name}")
+        return decode_utf8(parameter if isinstance(parameter, str) else str(parameter), f"parameter {name}")
     try:
         if isinstance(parameter, str):  # benchmark tools send numbers as strings (genai-perf: "max_tokens": "8")
             parameter = kind(parameter)
@@ -99,57 +86,6 @@ def parse_parameters(text: str | None) -> dict[str, Any]:
     return parameters if isinstance(parameters, dict) else {}
 
 
-def chat_prompt(get_input: Callable[[str], np.ndarray | None], parameters: dict[str, Any], tokenizer) -> np.ndarray | None:
-    """The `messages` input (one BYTES element of JSON, or a request parameter) rendered by the model's
-    chat template, as a `text_input` tensor; None when the request has no messages."""
-    from kvpop.serving.kvpop_engine.chat import InvalidMessagesError, parse_messages, render_chat
-
-    tensor = get_input("messages")
-    if tensor is None and "messages" not in parameters:
-        return None
-    if tensor is not None and tensor.size == 1 and _blank(_decode_utf8(tensor.reshape(-1)[0], "messages")):
-        return None  # an empty messages input (perf_analyzer's zero data) is not sent
-    if tensor is not None and tensor.size != 1:
-        raise InvalidRequestError(f"messages must hold exactly one JSON string, got shape {list(tensor.shape)}")
-    raw = tensor.reshape(-1)[0] if tensor is not None else parameters["messages"]
-    try:
-        return np.array([render_chat(parse_messages(raw), tokenizer)], dtype=object)
-    except InvalidMessagesError as error:
-        raise InvalidRequestError(str(error)) from None
-
-
-def _text_as_user_turn(parameters: dict[str, Any], tokenizer, config: ServiceConfig) -> bool:
-    """Whether a `text_input` goes through the model's chat template as one user message
-    (kvpop.serving.kvpop_engine.config.TEXT_INPUT_CHAT says why)."""
-    raw = parameters.get("raw_prompt", False)
-    if isinstance(raw, str):
-        raw = raw.strip().lower() in ("1", "true", "yes")
-    elif not isinstance(raw, bool):
-        raise InvalidRequestError(f"parameter raw_prompt must be a boolean, got {raw!r}")
-    return not raw and config.text_input_chat == "auto" and bool(getattr(tokenizer, "chat_template", None))
-
-
-def _user_turn(text: np.ndarray, tokenizer) -> np.ndarray:
-    """A non-empty text_input (one string) as the prompt of a one-message chat; anything else as is,
-    for the checks below to refuse."""
-    from kvpop.serving.kvpop_engine.chat import render_chat
-
-    if text.size != 1 or not _non_empty_text(text):
-        return text
-    prompt = _decode_utf8(text.reshape(-1)[0], "text_input")
-    if _is_rendered_chat(prompt, tokenizer):
-        return text
-    return np.array([render_chat([{"role": "user", "content": prompt}], tokenizer)], dtype=object)
-
-
-def _is_rendered_chat(prompt: str, tokenizer) -> bool:
-    """Whether a text_input already holds the chat template's turn markers (e.g. SmolLM2's
-    `<|im_start|>`): a client that rendered the template itself (Triton's OpenAI frontend does) sent a
-    finished prompt, which wrapping again would turn into a user message quoting a chat."""
-    markers = getattr(tokenizer, "additional_special_tokens", None) or getattr(tokenizer, "all_special_tokens", [])
-    return any(len(marker) > 1 and marker in prompt for marker in markers)
-
-
 def parse_request(
     request_id: str,
     get_input: Callable[[str], np.ndarray | None],
@@ -164,7 +100,7 @@ def parse_request(
     array or None. `policy_options`: every request's options by policy name (kvpop.policies.registry.policy_defaults;
     None: the deployment's settings on a model without policy assets)."""
     parameters = _merge_sampling_parameters(get_input("sampling_parameters"), parameters)
-    prompt_ids = _prompt_ids(get_input, parameters, tokenizer, vocab_size, config)
+    prompt_ids = read_prompt(get_input, parameters, tokenizer, vocab_size, config)
     values = _option_values(get_input, parameters)
     sampling = _sampling(values, _stop_strings(get_input, parameters), config)
     try:
@@ -180,68 +116,6 @@ def parse_request(
     return ParsedRequest(generation=generation, stream=bool(values["stream"]), echo_prompt=echo_prompt)
 
 
-def _prompt_input(get_input: Callable[[str], np.ndarray | None], parameters: dict[str, Any], tokenizer,
-                  config: ServiceConfig) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """(text, ids): exactly one of the contract's prompt inputs, a chat rendered as text."""
-    text = get_input("text_input")
-    ids = get_input("input_ids")
-    if text is None and "text_input" in parameters:
-        text = np.array([parameters["text_input"]], dtype=object)
-    chat = chat_prompt(get_input, parameters, tokenizer)
-    if chat is None and text is not None and _text_as_user_turn(parameters, tokenizer, config):
-        text = _user_turn(text, tokenizer)
-    if chat is not None:
-        if text is not None or ids is not None:
-            raise InvalidRequestError("send exactly one of text_input, input_ids or messages")
-        text = chat
-    if text is not None and ids is not None:
-        # perf_analyzer fills every optional input: a non-empty text_input wins over input_ids;
-        # an empty text_input gives way to them.
-        if _non_empty_text(text):
-            ids = None
-        else:
-            text = None
-    if (text is None) == (ids is None):
-        raise InvalidRequestError(
-            f"send exactly one of text_input ({_wire('text_input')}) or input_ids ({_wire('input_ids')} [1, N])")
-    return text, ids
-
-
-def _prompt_ids(get_input: Callable[[str], np.ndarray | None], parameters: dict[str, Any], tokenizer, vocab_size: int,
-                config: ServiceConfig) -> list[int]:
-    """The prompt's token ids: its text tokenized, or its ids checked against the vocabulary."""
-    text, ids = _prompt_input(get_input, parameters, tokenizer, config)
-    if text is not None:
-        if text.size != 1:
-            raise InvalidRequestError(f"text_input must hold exactly one string, got shape {list(text.shape)}")
-        prompt = _decode_utf8(text.reshape(-1)[0], "text_input")
-        if not prompt.strip():
-            raise InvalidRequestError("text_input is empty")
-        if len(prompt) > config.max_prompt_tokens * 32:  # refuse absurd payloads before tokenizing
-            raise InvalidRequestError(f"text_input is too long ({len(prompt)} characters)")
-        prompt_ids = list(tokenizer(prompt).input_ids)
-    else:
-        if not np.issubdtype(ids.dtype, np.integer):
-            raise InvalidRequestError(f"input_ids must be INT32 or INT64, got {ids.dtype}")
-        if ids.size > config.max_prompt_tokens:  # refuse before converting a huge payload
-            raise InvalidRequestError(
-                f"prompt has {ids.size} tokens; this service accepts at most {config.max_prompt_tokens}"
-            )
-        prompt_ids = [int(token) for token in ids.reshape(-1)]
-        if not prompt_ids:
-            raise InvalidRequestError("input_ids is empty")
-        bad = [token for token in prompt_ids if not 0 <= token < vocab_size]
-        if bad:
-            raise InvalidRequestError(f"input_ids out of range [0, {vocab_size}): {bad[:5]}")
-    if not prompt_ids:
-        raise InvalidRequestError("the prompt is empty after tokenization")
-    if len(prompt_ids) > config.max_prompt_tokens:
-        raise InvalidRequestError(
-            f"prompt has {len(prompt_ids)} tokens; this service accepts at most {config.max_prompt_tokens}"
-        )
-    return prompt_ids
-
-
 def _option_values(get_input: Callable[[str], np.ndarray | None], parameters: dict[str, Any]) -> dict[str, Any]:
     """The contract's one-value inputs (an input tensor, else a request parameter of the same name), None where
     not sent; guided decoding, which the contract declares only to refuse, refused."""
@@ -249,13 +123,13 @@ def _option_values(get_input: Callable[[str], np.ndarray | None], parameters: di
     # perf_analyzer fills every optional input with zeros or empty strings: where zero or "" is not a
     # meaningful setting it means "not sent" (max_tokens 0 is the default, eviction_policy "" too).
     for name in UNSET_WHEN_ZERO:
-        if values[name] in (0, 0.0) or (isinstance(values[name], str) and _blank(values[name])):
+        if values[name] in (0, 0.0) or (isinstance(values[name], str) and blank(values[name])):
             values[name] = None
     if values["kv_budget"] is not None and values["kv_budget"] < 0:
         raise InvalidRequestError(f"kv_budget must be >= 1 slot per head (0 or absent: the default), got {values['kv_budget']}")
     for name in GUIDED_DECODING_INPUTS:
         guide = get_input(name)
-        if guide is not None and any(not _blank(_decode_utf8(item, name)) for item in guide.reshape(-1)):
+        if guide is not None and any(not blank(decode_utf8(item, name)) for item in guide.reshape(-1)):
             raise InvalidRequestError(f"{name}: guided decoding is not supported by this engine")
     return values
 
@@ -263,7 +137,7 @@ def _option_values(get_input: Callable[[str], np.ndarray | None], parameters: di
 def _stop_strings(get_input: Callable[[str], np.ndarray | None], parameters: dict[str, Any]) -> tuple[str, ...]:
     """The contract's stop inputs (`stop`, `stop_words`), else a `stop` parameter; blank ones dropped, bounded."""
     stop_tensors = [(name, get_input(name)) for name in STOP_INPUTS]
-    stop: tuple[str, ...] = tuple(_decode_utf8(item, name) for name, tensor in stop_tensors if tensor is not None
+    stop: tuple[str, ...] = tuple(decode_utf8(item, name) for name, tensor in stop_tensors if tensor is not None
                                   for item in tensor.reshape(-1))
     if all(tensor is None for _, tensor in stop_tensors) and isinstance(parameters.get("stop"), (list, str)):
         stop = tuple([parameters["stop"]] if isinstance(parameters["stop"], str) else map(str, parameters["stop"]))
@@ -323,19 +197,6 @@ def request_cache_config(
     return CacheConfig(policy=policy, budget=budget, compression=compression, options=policy_options.get(policy))
 
 
-def _wire(name: str) -> str:
-    return contract.ENGINE.input(name).datatype
-
-
-def _non_empty_text(text: np.ndarray) -> bool:
-    return text.size == 1 and not _blank(_decode_utf8(text.reshape(-1)[0], "text_input"))
-
-
-def _blank(value: str) -> bool:
-    """Empty, whitespace or NUL only: perf_analyzer's zero data for strings."""
-    return not value.strip(" \t\r\n\x00")
-
-
 def _merge_sampling_parameters(tensor: np.ndarray | None, parameters: dict[str, Any]) -> dict[str, Any]:
     """vLLM's `sampling_parameters` (a JSON object, input tensor or request parameter) as request
     parameters; a request parameter of the same name wins."""
@@ -347,8 +208,8 @@ def _merge_sampling_parameters(tensor: np.ndarray | None, parameters: dict[str, 
     if isinstance(raw, dict):
         sampling = raw
     else:
-        text = _decode_utf8(raw, "sampling_parameters")
-        if _blank(text):
+        text = decode_utf8(raw, "sampling_parameters")
+        if blank(text):
             return parameters
         try:
             sampling = json.loads(text)
@@ -395,3 +256,6 @@ def _check_tool_inputs(values: dict[str, Any], max_tokens: int) -> bool:
                 f"got {name}={minimum}, max_tokens={max_tokens}; or use ignore_eos")
         exact = True
     return exact
+
+
+__all__ = ["InvalidRequestError", "ParsedRequest", "parse_parameters", "parse_request", "request_cache_config"]

@@ -114,7 +114,7 @@ def sweep(
     """Every policy x compression. At 0% nothing is evicted, so every policy IS the full cache:
     full runs once and stands for all of them there. Without `run_full` (rows to merge into a sweep
     that has the full cache, `--merge`) only the listed policies run and only sweep.json is written.
-    `kvpop_options`: CacheConfig fields for the kvpop rows (span_pooling, query_window)."""
+    `kvpop_options`: the kvpop rows' policy options (span_pooling, query_window)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     header = stamp({"tasks": len(tasks), "scoring": scoring, "tasks_file": str(tasks_file) if tasks_file else None,
                     "tasks_sha256": hashlib.sha256(Path(tasks_file).read_bytes()).hexdigest() if tasks_file else None})

@@ -262,7 +262,6 @@ class EngineWorker:
             failed, self.engine = self.engine, self._engine_factory()
             state = failed.state()
             for request_id in state.prefilling + state.decoding:
-                failed.cancel(request_id)
                 failed.cache_manager.release(request_id)
             waiting = failed.waiting.remove(set(state.waiting))
             for pending in waiting:

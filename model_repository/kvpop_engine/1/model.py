@@ -11,12 +11,12 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
 from kvpop.engine.admission import OverloadedError
-from kvpop.serving.kvpop_engine.config import ServiceConfig
 from kvpop.serving.contract import ErrorKind
-from kvpop.serving.errors import tagged
+from kvpop.serving.errors import InvalidRequestError, tagged
+from kvpop.serving.kvpop_engine.config import ServiceConfig
 from kvpop.serving.kvpop_engine.metrics import ServiceMetrics
-from kvpop.serving.kvpop_engine.parse import InvalidRequestError, parse_parameters
 from kvpop.serving.kvpop_engine.model import KVpopEngineModel, Placement
+from kvpop.serving.kvpop_engine.parse import parse_parameters
 from kvpop.serving.process.state_dir import model_state_dir
 from kvpop.serving.process.stubs import exit_with_server
 

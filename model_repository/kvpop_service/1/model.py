@@ -17,11 +17,11 @@ import triton_python_backend_utils as pb_utils
 
 # Light imports only: this model holds no weights.
 from kvpop.serving.contract import ErrorKind
-from kvpop.serving.process.drain import DrainSignal
-from kvpop.serving.errors import tagged
+from kvpop.serving.errors import InvalidRequestError, tagged
+from kvpop.serving.kvpop_engine.parse import parse_parameters
 from kvpop.serving.kvpop_service.forwarder import EngineForwarder, ForwardError, ForwardJob
 from kvpop.serving.kvpop_service.frontend import engine_prompts
-from kvpop.serving.kvpop_engine.parse import InvalidRequestError, parse_parameters
+from kvpop.serving.process.drain import DrainSignal
 from kvpop.serving.process.stubs import exit_with_server
 
 CANCEL_POLL_SECONDS = 0.1

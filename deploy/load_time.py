@@ -24,7 +24,7 @@ from datetime import datetime
 from pathlib import Path
 
 from export.repository import assemble_model_repository
-from kvpop.serving.process import TritonServer, free_port
+from kvpop.serving.process.tritonserver import TritonServer, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LOG_TIME = r"^[IWE](\d{4} \d\d:\d\d:\d\d\.\d+) +\d+ \S+\] "

@@ -18,7 +18,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # The code whose output an export is: change any of it and the export is redone.
 DECODER_CODE = ("export/decoder_step.py", "export/onnx_export.py", "export/step_variants.py", "export/slot_writer.py",
                 "export/parity.py", "export/pipeline.py", "kvpop/model_spec.py", "kvpop/decoder.py", "kvpop/device_store.py")
-SCORER_CODE = ("kvpop_train/scorer/onnx_export.py", "kvpop_train/scorer/network.py")
+SCORER_CODE = ("export/scorer_onnx.py", "kvpop_train/scorer/network.py")
 NOT_MODEL_INPUTS = (".md", ".log")  # a model card or a training log beside the weights
 
 

@@ -241,7 +241,7 @@ def _add_scorers(report: dict, scorer_dir: Path, output_dir: Path, stage) -> dic
 
 def export_learned_scorers(scorer_dir: Path, output_dir: Path, stage) -> dict[str, dict]:
     """The trained KVpop scorers beside the model (`make train-scorer`), as ONNX with parity checks."""
-    from kvpop_train.scorer.onnx_export import export_scorers
+    from export.scorer_onnx import export_scorers
 
     for stale in (*output_dir.glob("scorer_*"), output_dir / RETRIEVAL_HEADS_FILE):
         stale.unlink(missing_ok=True)

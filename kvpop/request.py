@@ -1,8 +1,8 @@
 """What a caller hands the engine and what it gets back: requests, token events, results.
 
-A leaf of the runtime: the engine, the cache manager, admission and the serving layer all speak these
-types, and this module imports only the sampling parameters and the policy registry (to check a cache
-configuration when it is made, not when it first runs).
+A leaf of the runtime: the engine, the cache manager and the serving layer all speak these types, and
+this module imports only the sampling parameters and the policy registry (a cache configuration's policy
+name and options are checked when it is made; the policy is built by the engine that runs it).
 """
 
 from __future__ import annotations
@@ -10,10 +10,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING, Any, Mapping
 
-from kvpop.policies import POLICIES, make_policy
+from kvpop.policies.registry import make_policy, policy_class, policy_options
 from kvpop.sampling import SamplingParams
-from kvpop.policies.kvpop import LEARNED_SCORER_KINDS
+
+if TYPE_CHECKING:
+    from kvpop.policies.base import EvictionPolicy
 
 NO_TOKEN = -1  # token_id of an event that carries no token (a cancellation)
 
@@ -34,49 +37,32 @@ class Tier(StrEnum):
 
 @dataclass
 class CacheConfig:
-    """Which policy keeps a request's cache, and how many slots per head it may use.
+    """Which policy keeps a request's cache, how many slots per head it may use, and the policy's options.
 
     Give `budget` (slots per head) or `compression` (0 <= r < 1; budget = ceil((1 - r) * (prompt
-    tokens + max_tokens))), not both; `full` takes neither. `sinks`, `window` and `seed` reach the
-    policies that have such a field (streaming: sinks; h2o: window; random: seed; kvpop: sinks,
-    window) and are clamped so that sinks + window fit in the budget (kvpop's window also shrinks to a
-    quarter of a tight budget, never under 32 tokens: KVpopPolicy.protected_counts). `scorer` is the
-    kvpop policy's alone: every other policy ignores it (a service passes its kvpop scorer with every
-    request).
+    tokens + max_tokens))), not both; `full` takes neither. `options` is the policy's own options object
+    (`kvpop.policies.registry.policy_options`: its dataclass fields, e.g. streaming's sinks, random's seed,
+    kvpop's sinks, window, scorer...); a mapping is resolved to it, keeping the keys the policy has. The
+    policy itself is built once per sequence, by the engine that runs it (with the model's assets).
     """
 
     policy: str = "full"
     budget: int | None = None
     compression: float | None = None
-    sinks: int = 4
-    window: int = 64
-    seed: int = 0  # random policy
-    scorer: str = "accumulated_attention"  # kvpop only: a built-in scorer or one of LEARNED_SCORER_KINDS
-    span_pooling: str | None = None  # kvpop only: how prompt tokens are ranked by span; None: the scorer's own
-    query_window: int | None = None  # kvpop only: the prompt's last queries that pick slots; None: the policy's default
-    fill: str | None = None  # kvpop only: what ranks the slots the question does not pick ("scorer", "recency"); None: scorer
+    options: Any = None
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown eviction policy {self.policy!r}; registered: {', '.join(POLICIES)}")
-        bounded = POLICIES[self.policy].evicts
+        bounded = policy_class(self.policy).evicts
         if not bounded and (self.budget is not None or self.compression is not None):
-            raise ValueError("policy 'full' keeps every token: give neither budget nor compression")
+            raise ValueError(f"policy {self.policy!r} keeps every token: give neither budget nor compression")
         if bounded and (self.budget is None) == (self.compression is None):
             raise ValueError(f"policy {self.policy!r} needs exactly one of budget (slots) or compression (ratio)")
         if self.budget is not None and (isinstance(self.budget, bool) or int(self.budget) != self.budget or self.budget < 1):
             raise ValueError(f"budget must be a positive whole number of slots per head, got {self.budget!r}")
         if self.compression is not None and not 0.0 <= self.compression < 1.0:
             raise ValueError(f"compression must be in [0, 1), got {self.compression!r}")
-        if self.sinks < 0 or self.window < 0:
-            raise ValueError(f"sinks and window must be >= 0, got sinks={self.sinks} window={self.window}")
-        if self.learned_scorer is None:
-            self.build_policy()  # fails here, with the policy's own message, on bad options
-
-    @property
-    def learned_scorer(self) -> str | None:
-        """The learned scorer kind this request needs from the engine (kvpop only), or None."""
-        return self.scorer if self.policy == "kvpop" and self.scorer in LEARNED_SCORER_KINDS else None
+        self.options = policy_options(self.policy, self.options)
+        policy_class(self.policy).check_options(self.options)  # fails here, with the policy's own message
 
     def resolve_budget(self, prompt_tokens: int, max_tokens: int) -> int | None:
         """Slots per head for a request of this size; None for the unbounded full cache."""
@@ -86,13 +72,9 @@ class CacheConfig:
             return None
         return max(1, math.ceil((1.0 - self.compression) * (prompt_tokens + max_tokens)))
 
-    def build_policy(self, learned_scorers: dict | None = None):
-        """The policy instance; a learned scorer resolves to the engine's loaded network (`learned_scorers`,
-        by kind), whose protected window (the one it was trained for) replaces `window`."""
-        kvpop_options = {name: value for name, value in (("span_pooling", self.span_pooling), ("query_window", self.query_window),
-                                                         ("fill", self.fill)) if value is not None}
-        return make_policy(self.policy, learned_scorers or {}, sinks=self.sinks, window=self.window, seed=self.seed,
-                           scorer=self.scorer, **kvpop_options)
+    def build_policy(self, assets: "Mapping[str, Any] | None" = None) -> "EvictionPolicy":
+        """A new policy instance; `assets`: the model's, by policy name (kvpop.policies.registry.load_policy_assets)."""
+        return make_policy(self.policy, self.options, assets)
 
 
 @dataclass
@@ -139,6 +121,8 @@ class GenerationResult:
     session_tier: Tier | None = None  # where the session's state was found, if it was
     prefix_lookup: bool = False  # the warm prefixes were searched (no session state continued it)
     prefix_tokens_reused: int = 0  # of tokens_reused, those a warm prefix held
+    degraded_from: int | None = None  # the budget asked for, when admission gave it `budget` instead (a tight KV pool)
+    started: bool = True  # False: it ended (cancelled) before it entered the running batch
 
 
 __all__ = [

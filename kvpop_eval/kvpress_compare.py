@@ -117,7 +117,7 @@ def split_prompt(tokenizer: Any, task: dict) -> tuple[list[int], int]:
 
 
 def engine_budget(compression: float, prompt_tokens: int, max_tokens: int) -> int:
-    """kvpop.engine.CacheConfig.resolve_budget for a compression target."""
+    """kvpop.request.CacheConfig.resolve_budget for a compression target."""
     return max(1, math.ceil((1.0 - compression) * (prompt_tokens + max_tokens)))
 
 

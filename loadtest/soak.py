@@ -22,7 +22,7 @@ from pathlib import Path
 
 import psutil
 
-from kvpop.serving.process import TritonServer, free_port
+from kvpop.serving.process.tritonserver import TritonServer, free_port
 from kvpop_client import KVpopClient, KVpopServerError
 
 POLICIES = ("full", "streaming", "h2o", "tova", "random", "kvpop")

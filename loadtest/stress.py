@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 
     prompts = None
     if args.prompt_tokens:
-        from kvpop_eval.tasks.generator import TaskConfig, generate_task
+        from kvpop_tasks.generator import TaskConfig, generate_task
 
         config = TaskConfig(context_tokens=args.prompt_tokens)
         prompts = [generate_task(config, "validation", index).prompt for index in range(16)]

@@ -73,7 +73,7 @@ def test_error_kinds_map_to_each_transport():
 
 @pytest.mark.parametrize("finish_reason", [None, "length"])
 def test_worker_outputs_follow_the_contract(finish_reason):
-    from kvpop.serving.responses import output_tensors
+    from kvpop.serving.kvpop_engine.responses import output_tensors
 
     tensors = output_tensors("hi", [7], finish_reason, 3, 1)
     expected = [spec for spec in contract.OUTPUTS if spec.streamed or finish_reason is not None]
@@ -84,7 +84,7 @@ def test_worker_outputs_follow_the_contract(finish_reason):
 
 
 def test_request_parser_reads_every_option_input():
-    from kvpop.serving.request import SCALAR_INPUTS, UNSET_WHEN_ZERO
+    from kvpop.serving.kvpop_engine.parse import SCALAR_INPUTS, UNSET_WHEN_ZERO
 
     assert SCALAR_INPUTS == {spec.name: spec.python_type for spec in contract.OPTION_INPUTS}
     assert set(UNSET_WHEN_ZERO) <= set(SCALAR_INPUTS)
@@ -117,3 +117,18 @@ def test_unencodable_text_is_found_wherever_it_is():
     assert contract.unencodable_at({"k\udc00": 1}) == "k\\udc00"
     assert contract.unencodable_at("\ud800") == ""
     assert contract.unencodable_at({"a": ["fine", "漢字 🙂"]}) is None
+
+
+def test_the_engine_stream_client_types_its_inputs_by_the_contract():
+    """The forwarder and the OpenAI API reach the engine through one client (kvpop.serving.engine_stream), whose
+    tensors take their datatypes from the contract."""
+    from kvpop.openai_api.engine_client import OUTPUTS, EngineRequest
+    from kvpop.serving.engine_stream import engine_inputs
+
+    tensors = engine_inputs({"text_input": "hi", "max_tokens": 3, "seed": 7, "top_p": 0.5, "stop": ["a", "bb"], "stream": True})
+    for name, array in tensors.items():
+        assert array.dtype == contract.ENGINE.input(name).numpy_dtype and array.shape[0] == 1, name
+    assert tensors["stop"].tolist() == [[b"a", b"bb"]]
+    chat = EngineRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=4, kv_budget=64).tensors()
+    assert all(array.dtype == contract.ENGINE.input(name).numpy_dtype for name, array in chat.items())
+    assert set(OUTPUTS) <= {spec.name for spec in contract.ENGINE.outputs}

@@ -12,15 +12,15 @@ import pytest
 import yaml
 
 from deploy.nodes import lb
-from kvpop.serving.process import free_port
+from kvpop.serving.process.tritonserver import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 
 
 def exported_metric_names() -> set[str]:
-    """Names the engine registers (kvpop/serving/metrics.py), with Prometheus' histogram series."""
-    source = (ROOT / "kvpop" / "serving" / "metrics.py").read_text()
+    """Names the engine registers (kvpop/serving/kvpop_engine/metrics.py), with Prometheus' histogram series."""
+    source = (ROOT / "kvpop" / "serving" / "kvpop_engine" / "metrics.py").read_text()
     found = re.findall(r'(gauge|counter|histogram)\("(kvpop_\w+)"', source)
     found += [(kind.lower(), name) for name, kind in re.findall(r'family\("(kvpop_\w+)", "[^"]*", "(GAUGE|COUNTER|HISTOGRAM)"\)', source)]
     names = set()

@@ -130,8 +130,8 @@ def test_a_float16_export_keeps_parity_and_serves_the_same_greedy_tokens(tiny_hf
     assert DecoderStep(tmp_path / "fp16", threads=1).empty_cache(slots=2)[0].dtype == np.float16
     half, single = Engine.from_model_dir(tmp_path / "fp16", EngineConfig(prefill_chunk=16)), Engine.from_model_dir(tiny_onnx_model_dir, EngineConfig(prefill_chunk=16))
     prompt = list(range(3, 60))
-    for config in (CacheConfig(policy="full"), CacheConfig(policy="kvpop", budget=24, sinks=2, scorer="mlstm"),
-                   CacheConfig(policy="h2o", budget=24, window=4)):
+    for config in (CacheConfig(policy="full"), CacheConfig(policy="kvpop", budget=24, options=dict(sinks=2, scorer="mlstm")),
+                   CacheConfig(policy="h2o", budget=24, options=dict(window=4))):
         runs = [engine.generate([GenerationRequest(f"{tag}-{config.policy}", prompt, SamplingParams(max_tokens=12, ignore_eos=True), config)])[0]
                 for tag, engine in (("half", half), ("single", single))]
         assert runs[0].output_ids == runs[1].output_ids, config.policy

@@ -1,6 +1,8 @@
-"""The project's modules import each other in one direction: no cycle among the modules of kvpop/,
-export/ and client/, counting every import (top level, inside functions, and under TYPE_CHECKING),
-and none among kvpop's subpackages (cache, policies, sessions, engine, serving...)."""
+"""The project's code imports in one direction: no cycle among its modules, and none among its packages at
+any depth (kvpop <-> kvpop_eval, kvpop.cache <-> kvpop.engine, kvpop.serving.engine_model <-> kvpop.serving.process.tritonserver
+...), counting every import (top level, inside functions, and under TYPE_CHECKING). Every Python package of the
+repository is in the graph: the runtime, the offline packages, the client, the load tests, deploy and the two
+Triton models."""
 
 from __future__ import annotations
 
@@ -8,11 +10,23 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"kvpop": ROOT / "kvpop", "export": ROOT / "export", "kvpop_client": ROOT / "client" / "kvpop_client"}
+# Import name -> directory. deploy/ is a namespace package (`python -m deploy.load_time`).
+PACKAGES = {
+    "kvpop": ROOT / "kvpop",
+    "kvpop_tasks": ROOT / "kvpop_tasks",
+    "kvpop_train": ROOT / "kvpop_train",
+    "export": ROOT / "export",
+    "kvpop_eval": ROOT / "kvpop_eval",
+    "kvpop_client": ROOT / "client" / "kvpop_client",
+    "loadtest": ROOT / "loadtest",
+    "deploy": ROOT / "deploy",
+}
+TRITON_MODELS = {f"model_repository.{path.parts[-3]}": path for path in ROOT.glob("model_repository/*/1/model.py")}
+NOT_PACKAGES = {"tests", "build", "run", "model_repository", "models", "scorers", "docs", "requirements"}
 
 
 def module_files() -> dict[str, Path]:
-    modules = {}
+    modules = dict(TRITON_MODELS)
     for package, directory in PACKAGES.items():
         for path in directory.rglob("*.py"):
             parts = [package, *path.relative_to(directory).with_suffix("").parts]
@@ -86,25 +100,46 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def package_of(module: str) -> str:
-    """kvpop.cache.manager -> kvpop.cache; kvpop.decoder -> kvpop.decoder (a top-level module is its own node)."""
-    parts = module.split(".")
-    return ".".join(parts[:2])
+def at_depth(module: str, depth: int) -> str:
+    """The node a module counts as when packages are looked at `depth` names deep: kvpop.cache.manager at
+    depth 2 is kvpop.cache; a shallower module is its own node (kvpop.decoder at depth 3)."""
+    return ".".join(module.split(".")[:depth])
+
+
+def package_graph(edges: dict[str, set[str]], depth: int) -> dict[str, set[str]]:
+    packages: dict[str, set[str]] = {}
+    for module, targets in edges.items():
+        source = at_depth(module, depth)
+        packages.setdefault(source, set()).update(at_depth(t, depth) for t in targets if at_depth(t, depth) != source)
+    return packages
+
+
+def test_every_python_package_of_the_repository_is_in_the_graph():
+    folders = {path.relative_to(ROOT).parts[0] for path in ROOT.glob("*/**/*.py")} - NOT_PACKAGES
+    folders = {folder for folder in folders if not folder.startswith(".")}
+    assert folders <= {directory.relative_to(ROOT).parts[0] for directory in PACKAGES.values()}, folders
+    assert set(TRITON_MODELS) == {"model_repository.kvpop_engine", "model_repository.kvpop_service"}
 
 
 def test_no_module_imports_itself_back():
     assert cycles(graph()) == []
 
 
-def test_no_subpackage_imports_itself_back():
-    packages: dict[str, set[str]] = {}
-    for module, targets in graph().items():
-        if not module.startswith("kvpop."):
-            continue
-        source = package_of(module)
-        packages.setdefault(source, set()).update(package_of(t) for t in targets if t.startswith("kvpop.") and package_of(t) != source)
-    assert cycles(packages) == []
+def test_no_package_imports_itself_back_at_any_depth():
+    edges = graph()
+    deepest = max(module.count(".") for module in edges) + 1
+    for depth in range(1, deepest + 1):
+        assert cycles(package_graph(edges, depth)) == [], f"packages {depth} names deep"
+
+
+def test_the_offline_packages_import_in_one_direction():
+    """kvpop_tasks <- kvpop_train <- export <- kvpop_eval; the runtime imports none of them."""
+    top = package_graph(graph(), 1)
+    order = ["kvpop", "kvpop_tasks", "kvpop_train", "export", "kvpop_eval"]
+    for position, package in enumerate(order):
+        assert not top.get(package, set()) & set(order[position + 1:]), (package, top.get(package))
 
 
 def test_the_checker_sees_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles(package_graph({"p.x.m": {"p.y.n"}, "p.y.n": {"p.x.k"}, "p.x.k": set()}, 2)) == [["p.x", "p.y"]]

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpop.serving.config import ServiceConfig
-from kvpop.serving.process import choose_model_config
+from kvpop.serving.kvpop_engine.config import ServiceConfig
+from kvpop.serving.process.tritonserver import choose_model_config
 
 REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"
 SERVICE = REPOSITORY / "kvpop_engine"

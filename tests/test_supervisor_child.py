@@ -7,8 +7,8 @@ import os
 import signal
 import sys
 
-from kvpop.serving.process import free_port
-from kvpop.serving.supervisor import ChildProcess
+from kvpop.serving.process.tritonserver import free_port
+from kvpop.serving.process.supervisor import ChildProcess
 
 
 def test_child_process_starts_reports_its_exit_and_stops(tmp_path):

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from deploy.nodes import lb
 from export.repository import assemble_model_repository
-from kvpop.serving.process import TritonServer, free_port
+from kvpop.serving.process.tritonserver import TritonServer, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 INFER_PATH = "/v2/models/kvpop_service/infer"

@@ -2,7 +2,7 @@
 
 Why a facade (as vLLM's `kv_cache_manager.py` over `block_pool.py`): the engine schedules requests and
 runs the decoder; where keys and values live, how big they may get and how they are kept across turns
-is one concern. The engine, admission and the serving layer talk to this class alone for cache things
+is one concern. The engine (its admission included) talks to this class alone for cache things
 and get small results back (`Allocation`, `Reservation`, `GenerationResult`, the decoder's past arrays),
 never the pool, the ledger, the store or a policy's internals.
 
@@ -12,16 +12,17 @@ What it owns:
   - the batch pool whose rows the decoding caches view (zero-copy), and the device mirror of that
     pool when the decoder keeps the cache in device memory (`DeviceKVStore`, built by the decoder,
     which knows its provider; synced only here);
-  - the instance's KV memory: what admission reserves for each request (`reserve` / `prefill_done` /
-    `release`, sized here: storage in whole `GROWTH_BLOCK`s, plus a whole-prompt prefill's prompt until
-    its first token; `kvpop.cache.reservations`) and what the engine holds (`observe_in_use`);
+  - the instance's KV memory: whether a request can ever fit (`fits_alone`) and what the engine's
+    admission reserves for it (`reserve` / `prefill_done` / `release`: storage in whole `GROWTH_BLOCK`s,
+    plus a whole-prompt prefill's prompt until its first token; `kvpop.cache.reservations`) and every
+    byte the instance holds (`held_bytes`: running sequences, hot sessions, warm prefixes; `observe_in_use`);
   - the session store (hot / warm / cold tiers, `kvpop.sessions.store`): `save_session`,
     `restore_session` (inside `allocate`), `close_session`; snapshots by `kvpop.cache.snapshot`;
   - the warm prefixes (`kvpop.cache.prefix_cache`): `save_prefix` at load, a copy of the longest
     matching one inside `allocate` when no session state continues the request.
 
 Flow of one engine step:
-  1. admit: `allocate(request)` returns the sequence's cache: the session's saved state when the
+  1. admit: `allocate(request, budget, policy)` returns the sequence's cache: the session's saved state when the
      prompt continues it, else a warm prefix's state when the prompt starts with one, else an empty
      cache reserved at its worst case (each a copy the sequence owns);
   2. prefill: `prefill_inputs(request_ids)` gives the decoder one cache's own arrays (no copy) or,
@@ -41,7 +42,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
@@ -50,9 +51,8 @@ from kvpop.cache.prefix_cache import PrefixCache
 from kvpop.cache.reservations import KVReservations, Reservation, reserved_slots, storage_slots
 from kvpop.cache.slot_cache import GROWTH_BLOCK, SlotCache
 from kvpop.model_spec import ModelSpec
-from kvpop.policies import POLICIES, EvictionPolicy
+from kvpop.policies import EvictionPolicy, prepare_policies
 from kvpop.request import FinishReason, GenerationResult, Tier
-from kvpop.policies.kvpop import learned_scorer
 from kvpop.cache.snapshot import capture_state, restore_cache
 from kvpop.cache.staging import PromptStaging, append_output
 from kvpop.sessions import SessionState, SessionStore
@@ -62,7 +62,6 @@ if TYPE_CHECKING:
 
     from kvpop.device_store import DeviceKVStore
     from kvpop.decoder import StepOutput
-    from kvpop.policies import TokenScorer
     from kvpop.request import CacheConfig, GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -90,22 +89,19 @@ class CacheManager:
         spec: ModelSpec,
         device_store: "DeviceKVStore | None" = None,
         sessions: SessionStore | None = None,
-        learned_scorers: "dict[str, TokenScorer] | None" = None,
+        policy_assets: "Mapping[str, Any] | None" = None,
         prefixes: PrefixCache | None = None,
         tokenizer: Any = None,
         reservations: KVReservations | None = None,
-        prefills_whole: "Callable[[EvictionPolicy, int | None, int], bool] | None" = None,
     ) -> None:
-        """`reservations`: the instance's KV pool ledger (it outlives an engine; None: an unlimited one).
-        `prefills_whole(policy, budget, prompt_tokens)`: the scheduler's word on whether a cache takes its
-        prompt in one chunk (None: never), which decides what a reservation holds until the first token."""
+        """`reservations`: the instance's KV pool ledger (it outlives an engine; None: an unlimited one)."""
         self.spec = spec
         self.tokenizer = tokenizer  # what policies that read the prompt's text see it with (None: none)
         self.dtype = np.dtype(spec.dtype)
         self.device_store = device_store
         self.pool = BatchSlotPool(spec, track_writes=device_store is not None)
         self.sessions = sessions  # finished sequences with a session_id are kept here
-        self.learned_scorers = learned_scorers or {}  # kind -> scorer shared by every sequence
+        self.policy_assets = dict(policy_assets or {})  # policy name -> what it loaded for the model (kvpop: its scorers)
         self.prefixes = prefixes if prefixes is not None else PrefixCache()  # shared by a service's engines
         self._caches: dict[str, SlotCache] = {}  # request id -> cache of a running sequence
         self.staging = PromptStaging(spec)  # prompt chunks computed in pieces, by request id
@@ -114,46 +110,25 @@ class CacheManager:
         # so the next step with the same caches does not stack their per-slot arrays again.
         self._decode_groups: dict = {}
         self.reservations = reservations if reservations is not None else KVReservations(None, spec)
-        self._prefills_whole = prefills_whole
-        for policy in POLICIES.values():
-            policy.prepare(self.learned_scorers, tokenizer, spec.vocab_size)
-
-    def check(self, config: "CacheConfig") -> None:
-        """ValueError unless this model can run `config` (a learned scorer it names is loaded)."""
-        if config.learned_scorer is not None:
-            learned_scorer(config.learned_scorer, self.learned_scorers)
+        prepare_policies(self.policy_assets, tokenizer, spec.vocab_size)
 
     def policy_for(self, config: "CacheConfig") -> EvictionPolicy:
-        """A new policy instance for a cache of this configuration."""
-        return config.build_policy(self.learned_scorers)
+        """A new policy instance for a cache of this configuration, on the model's assets; ValueError when
+        this model cannot run it (a learned scorer it names is not loaded)."""
+        return config.build_policy(self.policy_assets)
 
     # -- KV memory reserved at admission (kvpop.cache.reservations) ------------------------------
 
-    def slots_needed(self, request: "GenerationRequest", budget: int | None = None) -> int:
-        """Storage slots per head the request's cache can take (at `budget` instead of its own, if given)."""
-        prompt, max_tokens = len(request.prompt_ids), request.sampling.max_tokens
-        return storage_slots(request.cache.resolve_budget(prompt, max_tokens) if budget is None else budget, prompt, max_tokens)
+    def fits_alone(self, slots: int) -> bool:
+        """Whether a cache of `slots` storage slots per head fits the KV pool with nothing else running."""
+        return self.reservations.holds_alone(slots)
 
-    def prefill_slots(self, request: "GenerationRequest") -> int:
-        """Slots per head its prefill holds beyond its cache until its first token: its whole prompt when
-        its bounded cache prefills it whole, else 0 (a staged chunk of at most `prefill_chunk` tokens is
-        the pool's headroom). Size it once per request: it builds the request's policy."""
-        prompt = len(request.prompt_ids)
-        budget = request.cache.resolve_budget(prompt, request.sampling.max_tokens)
-        whole = self._prefills_whole is not None and self._prefills_whole(self.policy_for(request.cache), budget, prompt)
-        return prompt if whole else 0
-
-    def holds_alone(self, request: "GenerationRequest", budget: int | None = None) -> bool:
-        """Whether the request's cache (at `budget`, if given) fits the KV pool with nothing else running."""
-        return self.reservations.holds_alone(self.slots_needed(request, budget))
-
-    def reserve(self, request: "GenerationRequest", prefill_slots: int = 0, budget: int | None = None) -> Reservation | None:
-        """Reserve the request's cache (at `budget` instead of its own, if given) and `prefill_slots`
-        until `prefill_done`, if they fit the KV pool now; None: nothing reserved."""
-        slots = self.slots_needed(request, budget)
+    def reserve(self, request_id: str, slots: int, prefill_slots: int = 0) -> Reservation | None:
+        """Reserve a cache of `slots` storage slots per head and `prefill_slots` until `prefill_done`, if
+        they fit the KV pool now; None: nothing reserved."""
         if not self.reservations.fits(slots, prefill_slots):
             return None
-        return self.reservations.add(Reservation(request.request_id, slots, prefill_slots))
+        return self.reservations.add(Reservation(request_id, slots, prefill_slots))
 
     def prefill_done(self, request_id: str) -> None:
         """The request's first token: its whole-prompt prefill no longer holds the prompt."""
@@ -167,43 +142,48 @@ class CacheManager:
     def reserved_bytes(self) -> int:
         return self.reservations.reserved_bytes
 
+    @property
+    def held_bytes(self) -> int:
+        """Every byte of keys and values the instance holds now, in one sum: the running sequences
+        (`kv_bytes_in_use`), the hot sessions and the warm prefixes."""
+        return self.kv_bytes_in_use + self.hot_session_bytes + self.prefixes.nbytes
+
     def observe_in_use(self) -> int:
-        """Bytes held now (running sequences and hot sessions), recorded for the next reservations; call
-        it from the step thread after a step."""
-        self.reservations.in_use_bytes = self.kv_bytes_in_use + self.hot_session_bytes
+        """What the instance holds now (`held_bytes`), recorded in the ledger for the next reservations;
+        call it from the step thread after a step."""
+        self.reservations.in_use_bytes = self.held_bytes
         return self.reservations.in_use_bytes
 
     # -- running sequences ----------------------------------------------------------------------
 
-    def allocate(self, request: "GenerationRequest") -> Allocation:
+    def allocate(self, request: "GenerationRequest", budget: int | None, policy: EvictionPolicy) -> Allocation:
         """The cache a newly admitted request starts from: its session's saved state when the prompt
         continues it, else the longest warm prefix it starts with, else empty (with its worst case
-        reserved so that it never grows in the pool)."""
-        budget = request.cache.resolve_budget(len(request.prompt_ids), request.sampling.max_tokens)
-        allocation = self.restore_session(request, budget) if request.session_id is not None else None
+        reserved so that it never grows in the pool). `budget` and `policy`: the request's, resolved once
+        (kvpop.engine.admission.Pending)."""
+        allocation = self.restore_session(request, budget, policy) if request.session_id is not None else None
         if allocation is None and len(self.prefixes):
-            allocation = self.restore_prefix(request, budget)
+            allocation = self.restore_prefix(request, budget, policy)
         if allocation is None:
-            allocation = Allocation(self._empty(request, budget))
+            allocation = Allocation(self._empty(request, budget, policy))
         cache = allocation.cache
         cache.prompt_state = cache.policy.prompt_state(request.prompt_ids, self.tokenizer, self.spec.vocab_size)
         self._caches[request.request_id] = cache
         return allocation
 
-    def adopt(self, request: "GenerationRequest", cache: SlotCache) -> Allocation:
+    def adopt(self, request: "GenerationRequest", cache: SlotCache, budget: int | None) -> Allocation:
         """A cache that already holds the request's whole prompt (`Engine.add_prefilled`), taken as the request's
-        own; its budget must be the one the request's configuration gives."""
-        budget = request.cache.resolve_budget(len(request.prompt_ids), request.sampling.max_tokens)
+        own; its budget must be the request's (`budget`)."""
         if cache.budget != budget or cache.policy.name != request.cache.policy:
             raise ValueError(f"request {request.request_id!r}: a {cache.policy.name} cache of {cache.budget} slots is not the "
                              f"{request.cache.policy} cache of {budget} slots its configuration gives")
         self._caches[request.request_id] = cache
         return Allocation(cache, tokens_reused=cache.tokens_seen)
 
-    def _empty(self, request: "GenerationRequest", budget: int | None) -> SlotCache:
+    def _empty(self, request: "GenerationRequest", budget: int | None, policy: EvictionPolicy) -> SlotCache:
         """A new cache; a bounded one takes its whole storage now (what admission reserved)."""
         initial = 0 if budget is None else reserved_slots(budget, len(request.prompt_ids), request.sampling.max_tokens)
-        return SlotCache(self.spec, self.policy_for(request.cache), budget, initial)
+        return SlotCache(self.spec, policy, budget, initial)
 
     def finish(self, allocation: Allocation, request: "GenerationRequest", output_ids: list[int], reason: FinishReason,
                matched_stop: str | None = None) -> GenerationResult:
@@ -302,7 +282,7 @@ class CacheManager:
 
     # -- sessions -------------------------------------------------------------------------------
 
-    def restore_session(self, request: "GenerationRequest", budget: int | None) -> Allocation | None:
+    def restore_session(self, request: "GenerationRequest", budget: int | None, policy: EvictionPolicy) -> Allocation | None:
         """A copy of the session's saved cache when it fits this request: same model, same cache
         options and budget, and a prompt that starts with the saved tokens. None: a cold prefill."""
         state, tier = self.sessions.lookup(request.session_id)
@@ -310,11 +290,11 @@ class CacheManager:
             return None
         if state.cache_options != asdict(request.cache) or not state.reusable_for(request.prompt_ids):
             return None
-        return Allocation(self._continue(state, request, budget), state.tokens_seen, tier)
+        return Allocation(self._continue(state, request, budget, policy), state.tokens_seen, tier)
 
-    def _continue(self, state: SessionState, request: "GenerationRequest", budget: int | None) -> SlotCache:
+    def _continue(self, state: SessionState, request: "GenerationRequest", budget: int | None, policy: EvictionPolicy) -> SlotCache:
         """A new cache continuing `state` (its own copies), with the request's worst case reserved."""
-        cache = restore_cache(state, self.spec, self.policy_for(request.cache))
+        cache = restore_cache(state, self.spec, policy)
         if budget is not None:
             cache.reserve(reserved_slots(budget, len(request.prompt_ids), request.sampling.max_tokens))
         return cache
@@ -333,14 +313,14 @@ class CacheManager:
 
     # -- warm prefixes --------------------------------------------------------------------------
 
-    def restore_prefix(self, request: "GenerationRequest", budget: int | None) -> Allocation:
+    def restore_prefix(self, request: "GenerationRequest", budget: int | None, policy: EvictionPolicy) -> Allocation:
         """A copy of the longest warm prefix the prompt starts with (same cache configuration), or an
         empty cache; either way the lookup is reported."""
         snapshot = self.prefixes.match(asdict(request.cache), budget, request.prompt_ids)
         if snapshot is None:
-            return Allocation(self._empty(request, budget), prefix_lookup=True)
+            return Allocation(self._empty(request, budget, policy), prefix_lookup=True)
         tokens = snapshot.tokens_seen
-        return Allocation(self._continue(snapshot, request, budget), tokens, prefix_lookup=True, prefix_tokens_reused=tokens)
+        return Allocation(self._continue(snapshot, request, budget, policy), tokens, prefix_lookup=True, prefix_tokens_reused=tokens)
 
     def save_prefix(self, cache: SlotCache, tokens: list[int], cache_config: "CacheConfig") -> None:
         """Keep a copy of a prefilled prefix's cache for requests of this configuration."""

@@ -12,7 +12,7 @@ instance's headroom). A reservation must also fit beside what the engine really 
 step (`observe_in_use`): finished rows leave the pool only at its next repack.
 
 The ledger outlives an engine (a service restarts its engine after a failure, and requests admitted
-meanwhile keep their reservation). Not thread-safe: the serving worker calls it under its own lock.
+meanwhile keep their reservation). Not thread-safe: the engine calls it under its lock.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class KVReservations:
         self.bytes_per_slot = spec.kv_bytes_per_token  # one slot in every layer and KV head
         self._slots: dict[str, int] = {}  # request id -> reserved storage slots per head
         self._prefill_slots: dict[str, int] = {}  # request id -> slots its whole-prompt prefill holds
-        self.in_use_bytes = 0  # what the engine really held after its last step (and hot sessions)
+        self.in_use_bytes = 0  # what the instance really held after the engine's last step (CacheManager.held_bytes)
 
     @property
     def reserved_bytes(self) -> int:

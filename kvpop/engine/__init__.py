@@ -7,6 +7,6 @@ Build one from an exported model directory with `Engine.from_model_dir(model_dir
 from kvpop.engine.config import EngineConfig
 from kvpop.engine.engine import Engine
 from kvpop.engine.sequence import EngineState, Phase, SequenceState
-from kvpop.policies import load_learned_scorers
+from kvpop.policies import load_policy_assets
 
-__all__ = ["Engine", "EngineConfig", "EngineState", "Phase", "SequenceState", "load_learned_scorers"]
+__all__ = ["Engine", "EngineConfig", "EngineState", "Phase", "SequenceState", "load_policy_assets"]

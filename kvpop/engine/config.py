@@ -24,6 +24,9 @@ class EngineConfig:
     `prefill_pacing`: while streams decode, size each step's prompt work to about this many decode
     steps' time, measured as the engine runs (kvpop.engine.prefill_pacer; `max_step_tokens` stays the
     ceiling); None: the token budget alone.
+    `min_kv_budget`, `max_queue_size`: admission by KV memory (kvpop.engine.admission): a tight pool may
+    degrade a bounded request's budget down to `min_kv_budget` (None: never), and refuses a request as
+    overloaded when `max_queue_size` already wait for memory (None: no limit).
     """
 
     max_batch_size: int = 8  # sequences admitted at once (decoding or prefilling)
@@ -32,6 +35,8 @@ class EngineConfig:
     min_bounded_chunk: int = 1
     whole_prompt_tokens: int = 0
     prefill_pacing: float | None = None
+    min_kv_budget: int | None = None
+    max_queue_size: int | None = None
 
     def __post_init__(self) -> None:
         if (self.max_batch_size < 1 or self.prefill_chunk < 1 or self.step_tokens < 1 or self.min_bounded_chunk < 1

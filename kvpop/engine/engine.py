@@ -1,35 +1,35 @@
-"""The generation loop: a queue of requests, in-flight batching of sequences, each with its own
+"""The generation loop: one queue of requests, in-flight batching of sequences, each with its own
 fixed-budget slot cache.
 
-Every `step` (one driving thread): apply cancellations, admit waiting requests up to
-`max_batch_size`, then run the step the scheduler sizes (kvpop.engine.scheduler: one batched decode
+Every `step` (one driving thread): apply cancellations, admit waiting requests by KV memory
+(kvpop.engine.admission) up to `max_batch_size`, then run the step the scheduler sizes (kvpop.engine.scheduler: one batched decode
 step of every sequence whose prompt is in, and prompt pieces of the admitted ones under the step's
 token budget), sample, and finish sequences that stop. Everything about where keys and values live
 (slot caches, the batch pool and its device mirror, sessions kept between turns, warm prefixes) is the
 cache manager's (`kvpop.cache.manager`); the engine asks it. `add_request` and `cancel` may be called
-from other threads: they only touch the queue under the engine's lock; everything else belongs to the
-thread calling `step`.
+from other threads: they only touch the queue and the KV reservations under the engine's lock;
+everything else belongs to the thread calling `step`.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 from kvpop.cache.manager import CacheManager, KVReservations
 from kvpop.cache.prefix_cache import PrefixCache
 from kvpop.cache.slot_cache import SlotCache
 from kvpop.decoder import DecoderStep
+from kvpop.engine.admission import AdmissionPolicy, Pending, WaitingQueue
 from kvpop.engine.config import EngineConfig
 from kvpop.engine.detokenizer import IncrementalDetokenizer
 from kvpop.engine.runner import ModelRunner
 from kvpop.engine.scheduler import Scheduler
 from kvpop.engine.sequence import EngineState, Phase, Sequence, SequenceState
-from kvpop.policies import TokenScorer, load_learned_scorers
+from kvpop.policies import load_policy_assets
 from kvpop.request import NO_TOKEN, CacheConfig, FinishReason, GenerationRequest, GenerationResult, TokenEvent
 from kvpop.sampling import Sampler, SamplingParams
 from kvpop.sessions import SessionStore, validate_session_id
@@ -46,48 +46,46 @@ class Engine:
         config: EngineConfig | None = None,
         *,
         tokenizer: Tokenizer | None = None,
-        learned_scorers: dict[str, TokenScorer] | None = None,
+        policy_assets: Mapping[str, Any] | None = None,
         sessions: SessionStore | None = None,
         prefixes: PrefixCache | None = None,
         reservations: KVReservations | None = None,
     ) -> None:
-        """`config`: how it batches and schedules. `learned_scorers`: the model's kvpop scorers by kind,
-        shared by its sequences; `tokenizer`: for the answers' text and stop strings (and policies that read
-        the prompt's text).
-        `sessions`, `prefixes` and `reservations` (the KV pool's ledger, where a server reserves its
-        requests' memory through the cache manager) outlive an engine (a service restarts its engine
-        after a failure)."""
+        """`config`: how it batches, schedules and admits. `policy_assets`: what each policy loaded for the model,
+        by policy name (kvpop.policies.registry.load_policy_assets), shared by its sequences; `tokenizer`: for
+        the answers' text and stop strings (and policies that read the prompt's text). `sessions`, `prefixes` and
+        `reservations` (the KV pool's ledger) outlive an engine (a service restarts its engine after a failure)."""
         self.config = config or EngineConfig()
         self.decoder = decoder
         self.spec = decoder.spec
         self.tokenizer = tokenizer
-        self.learned_scorers = learned_scorers or {}
+        self.policy_assets = dict(policy_assets or {})
         self.scheduler = Scheduler(self.config, decoder.has_mixed_step)
-        self.cache_manager = CacheManager(self.spec, decoder.device_store, sessions, self.learned_scorers, prefixes, tokenizer,
-                                          reservations, self.scheduler.prefills_whole)
+        self.cache_manager = CacheManager(self.spec, decoder.device_store, sessions, self.policy_assets, prefixes, tokenizer,
+                                          reservations)
         self.runner = ModelRunner(decoder, self.cache_manager)
-        self._lock = threading.Lock()  # guards _waiting, _cancelled, _finished, _request_ids
-        self._waiting: deque[GenerationRequest] = deque()
+        self._lock = threading.Lock()  # guards waiting, the KV reservations, _cancelled, _finished, _request_ids
+        self.waiting = WaitingQueue(self.cache_manager, AdmissionPolicy(self.config.min_kv_budget, self.config.max_queue_size))
         self._cancelled: set[str] = set()
         self._finished: dict[str, GenerationResult] = {}
         self._request_ids: set[str] = set()  # every id not yet released by `result`
-        self._prefilled: dict[str, tuple[SlotCache, int]] = {}  # waiting ids whose prompt is in a cache (add_prefilled)
         self._running: dict[str, Sequence] = {}  # step thread only: prompt in, decoding
         self._prefilling: dict[str, Sequence] = {}  # step thread only: admitted, prompt partly fed (FIFO)
 
     @classmethod
     def from_model_dir(cls, model_dir: Path, config: EngineConfig | None = None, device: str = "cpu", **services) -> "Engine":
-        """An engine over an exported model directory, with its tokenizer and its learned scorers."""
+        """An engine over an exported model directory, with its tokenizer and its policies' assets."""
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(Path(model_dir) / "tokenizer")
-        services.setdefault("learned_scorers", load_learned_scorers(model_dir))
+        services.setdefault("policy_assets", load_policy_assets(model_dir))
         return cls(DecoderStep(model_dir, device=device), config, tokenizer=tokenizer, **services)
 
     # -- public API (add_request / cancel / result / state are safe from other threads) -----------
 
     def add_request(self, request: GenerationRequest) -> None:
-        """Queue a request; it joins the running batch at the next step. Raises ValueError if invalid."""
+        """Queue a request; it joins the running batch once its KV memory is reserved and the batch has
+        room (kvpop.engine.admission). Raises ValueError if invalid, OverloadedError when too many wait."""
         self._queue(request, None)
 
     def add_prefilled(self, request: GenerationRequest, cache: "SlotCache", first_token: int) -> None:
@@ -101,14 +99,25 @@ class Engine:
         self._queue(request, (cache, first_token))
 
     def _queue(self, request: GenerationRequest, prefilled: "tuple[SlotCache, int] | None") -> None:
-        self._check(request)
+        pending = self.read(request, prefilled)
+        self.waiting.check_fits(pending)  # ValueError: it could never run here
         with self._lock:
             if request.request_id in self._request_ids:
                 raise ValueError(f"request id {request.request_id!r} is already in use")
+            self.waiting.add(pending)
             self._request_ids.add(request.request_id)
-            self._waiting.append(request)
-            if prefilled is not None:
-                self._prefilled[request.request_id] = prefilled
+
+    def read(self, request: GenerationRequest, prefilled: "tuple[SlotCache, int] | None" = None) -> Pending:
+        """The request read once: checked, its policy built, its budget resolved, and what its prefill holds
+        beside the pool until its first token (its prompt, when its bounded cache prefills it whole)."""
+        self._check(request)
+        try:
+            policy = self.cache_manager.policy_for(request.cache)
+        except ValueError as error:
+            raise ValueError(f"request {request.request_id!r}: {error}") from None
+        prompt = len(request.prompt_ids)
+        budget = request.cache.resolve_budget(prompt, request.sampling.max_tokens)
+        return Pending(request, policy, budget, prompt if self.scheduler.prefills_whole(policy, budget, prompt) else 0, prefilled)
 
     def _check(self, request: GenerationRequest) -> None:
         """ValueError unless this engine can run `request` (tokens, length, scorer, stops, session)."""
@@ -120,10 +129,6 @@ class Engine:
                 f"request {request.request_id!r}: prompt of {len(request.prompt_ids)} tokens does not fit "
                 f"the model's {self.spec.max_position_embeddings} positions"
             )
-        try:
-            self.cache_manager.check(request.cache)
-        except ValueError as error:
-            raise ValueError(f"request {request.request_id!r}: {error}") from None
         if request.sampling.stop and self.tokenizer is None:
             raise ValueError(f"request {request.request_id!r}: stop strings need an engine with a tokenizer")
         if request.session_id is not None:
@@ -138,7 +143,7 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         with self._lock:
-            return bool(self._waiting or self._running or self._prefilling)
+            return bool(len(self.waiting) or self._running or self._prefilling)
 
     def result(self, request_id: str) -> GenerationResult:
         """The finished request's result; releases it (and its id)."""
@@ -152,7 +157,7 @@ class Engine:
     def state(self) -> EngineState:
         """Request ids by phase (waiting, prefilling, decoding)."""
         with self._lock:
-            return EngineState(tuple(r.request_id for r in self._waiting), tuple(self._prefilling), tuple(self._running))
+            return EngineState(tuple(pending.request_id for pending in self.waiting), tuple(self._prefilling), tuple(self._running))
 
     def sequence(self, request_id: str) -> SequenceState | None:
         """An admitted request's progress and cache (read only); None unless it is prefilling or decoding."""
@@ -172,11 +177,6 @@ class Engine:
         """Key/value bytes of the running sequences: the batch pool, caches being prefilled, and the
         chunks they are prefilling (a whole prompt while it is computed in pieces)."""
         return self.cache_manager.kv_bytes_in_use
-
-    @property
-    def hot_session_bytes(self) -> int:
-        """Bytes of sessions kept in instance memory (they count against the KV pool)."""
-        return self.cache_manager.hot_session_bytes
 
     @property
     def sessions(self) -> SessionStore | None:
@@ -202,19 +202,18 @@ class Engine:
         """One batched decode step of the running sequences, then prompt chunks of admitted ones."""
         with self._lock:
             cancelled, self._cancelled = self._cancelled, set()
-            events = [self._finish_waiting(request) for request in self._waiting if request.request_id in cancelled]
-            self._waiting = deque(request for request in self._waiting if request.request_id not in cancelled)
-            room = self.config.max_batch_size - self.num_running
-            admitted = [self._waiting.popleft() for _ in range(min(len(self._waiting), room))]
+            events = [self._finish_waiting(pending.request) for pending in self.waiting.remove(cancelled)]
+            self.waiting.admit()
+            admitted = self.waiting.take(self.config.max_batch_size - self.num_running)
         for request_id in cancelled & (self._running.keys() | self._prefilling.keys()):
             sequence = self._running.get(request_id) or self._prefilling[request_id]
             events.append(self._finish(sequence, FinishReason.CANCELLED, NO_TOKEN))
-        for request in admitted:
-            sequence = self._new_sequence(request)
+        for pending in admitted:
+            sequence = self._new_sequence(pending)
             if sequence.prompt_left:
-                self._prefilling[request.request_id] = sequence
+                self._prefilling[pending.request_id] = sequence
             else:  # its cache already holds the whole prompt
-                self._running[request.request_id] = sequence
+                self._running[pending.request_id] = sequence
                 events.append(self._accept(sequence, sequence.pending_token))
         events.extend(self._decode_and_prefill(list(self._running.values())))
         if not self._running:
@@ -224,8 +223,7 @@ class Engine:
     def prefill(self, request: GenerationRequest) -> SequenceState:
         """A request's whole prompt fed alone, chunk by chunk, outside the queue, and its first token
         sampled (its cache stays allocated until `free`): the state a prefill leaves, to compare or keep."""
-        self._check(request)
-        sequence = self._new_sequence(request)
+        sequence = self._new_sequence(self.read(request))
         out = self.runner.whole_prompt(sequence)
         sequence.pending_token = sequence.sampler(out.logits[0, -1])
         return sequence.view(Phase.DECODING)
@@ -261,12 +259,12 @@ class Engine:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _new_sequence(self, request: GenerationRequest) -> Sequence:
+    def _new_sequence(self, pending: Pending) -> Sequence:
         """An admitted request's sequence with the cache the manager gives it (empty, a session's
         saved state or a warm prefix's); the rest of its prompt is fed by `_decode_and_prefill`."""
-        with self._lock:
-            prefilled = self._prefilled.pop(request.request_id, None)
-        allocation = self.cache_manager.allocate(request) if prefilled is None else self.cache_manager.adopt(request, prefilled[0])
+        request, prefilled = pending.request, pending.prefilled
+        allocation = (self.cache_manager.allocate(request, pending.budget, pending.policy) if prefilled is None
+                      else self.cache_manager.adopt(request, prefilled[0], pending.budget))
         cache = allocation.cache
         prompt_left = len(request.prompt_ids) - allocation.tokens_reused
         detokenizer = IncrementalDetokenizer(self.tokenizer, request.sampling.stop) if self.tokenizer is not None else None
@@ -275,7 +273,7 @@ class Engine:
             chunk_size=self.scheduler.chunk_size(cache.policy, cache.budget, prompt_left),
             prefilled=allocation.tokens_reused,
             query_window=self.scheduler.query_window(cache.policy, cache.budget, prompt_left, cache.length),
-            pending_token=NO_TOKEN if prefilled is None else prefilled[1],
+            pending_token=NO_TOKEN if prefilled is None else prefilled[1], degraded_from=pending.degraded_from,
         )
 
     def _decode_and_prefill(self, decoding: list[Sequence]) -> list[TokenEvent]:
@@ -326,6 +324,9 @@ class Engine:
         """Record a sampled token and decide whether the sequence ends with it."""
         sequence.output_ids.append(token)
         sequence.pending_token = token
+        if len(sequence.output_ids) == 1:  # its first token: a whole-prompt prefill no longer holds the prompt
+            with self._lock:
+                self.cache_manager.prefill_done(sequence.request_id)
         sampling = sequence.request.sampling
         detokenizer = sequence.detokenizer
         stopped = detokenizer is not None and detokenizer.push(token) is not None  # a stop string, cut from the text
@@ -345,18 +346,18 @@ class Engine:
             detokenizer.flush()
         result = self.cache_manager.finish(sequence.allocation, request, sequence.output_ids, reason,
                                            detokenizer.matched_stop if detokenizer is not None else None)
-        if detokenizer is not None:
-            result = replace(result, text=detokenizer.text)
+        result = replace(result, text=detokenizer.text if detokenizer is not None else result.text,
+                         degraded_from=sequence.degraded_from)
         with self._lock:
             self._finished[request.request_id] = result
+            self.cache_manager.release(request.request_id)
         text = detokenizer.take(final=True) if detokenizer is not None else ""
         return TokenEvent(request.request_id, token, finished=True, finish_reason=reason, text=text)
 
     def _finish_waiting(self, request: GenerationRequest) -> TokenEvent:
         """A request cancelled before it started (called under the lock)."""
-        self._prefilled.pop(request.request_id, None)
         self._finished[request.request_id] = GenerationResult(
             request.request_id, request.prompt_ids, [], FinishReason.CANCELLED, budget=0, peak_kv_bytes=0,
-            tokens_evicted=0, compression=0.0, policy=request.cache.policy,
+            tokens_evicted=0, compression=0.0, policy=request.cache.policy, started=False,
         )
         return TokenEvent(request.request_id, NO_TOKEN, finished=True, finish_reason=FinishReason.CANCELLED)

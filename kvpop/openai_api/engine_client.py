@@ -1,4 +1,5 @@
-"""One generation on `kvpop_engine` over Triton's gRPC streaming API, as an async iterator of deltas."""
+"""One generation on `kvpop_engine` over Triton's gRPC streaming API (kvpop.serving.engine_stream), as an async
+iterator of deltas."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ from typing import AsyncIterator
 
 import numpy as np
 
+from kvpop.serving import contract
+from kvpop.serving.engine_stream import StreamError, engine_inputs, stream_generate
 from kvpop.serving.errors import kind_of
 
-# The engine's final response carries these cache statistics (model_repository/kvpop_engine/config.pbtxt).
-CACHE_STATISTICS = ("kv_budget", "peak_kv_bytes", "tokens_evicted", "compression", "tokens_reused")
+# The cache statistics of the engine's final response (the contract's outputs sent with the last response only)
+# that an OpenAI answer reports; `tokens_computed` is its usage's prompt tokens less `tokens_reused`.
+CACHE_STATISTICS = tuple(spec.name for spec in contract.OUTPUTS if not spec.streamed and spec.name != "tokens_computed")
 OUTPUTS = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens", *CACHE_STATISTICS)
 
 
@@ -41,32 +45,19 @@ class EngineRequest:
     ignore_eos: bool = False
 
     def tensors(self) -> dict[str, np.ndarray]:
-        """The engine's input tensors, each with Triton's leading batch dimension of 1."""
-        def text(value: str) -> np.ndarray:
-            return np.array([[value.encode("utf-8")]], dtype=np.object_)
-
-        inputs = {"stream": np.array([[True]], dtype=np.bool_)}
-        if self.ignore_eos:
-            inputs["ignore_eos"] = np.array([[True]], dtype=np.bool_)
+        """The engine's input tensors (typed by the contract), each with Triton's leading batch dimension of 1."""
+        values = {"stream": True, **({"ignore_eos": True} if self.ignore_eos else {})}
         if self.messages is not None:
-            inputs["messages"] = text(json.dumps(self.messages))
+            values["messages"] = json.dumps(self.messages)
         else:
-            inputs["text_input"] = text(self.prompt or "")
-        scalars = {
-            "max_tokens": (self.max_tokens, np.int32), "temperature": (self.temperature, np.float32),
-            "top_p": (self.top_p, np.float32), "seed": (self.seed, np.uint64),
-            "kv_budget": (self.kv_budget, np.int32), "compression_ratio": (self.compression_ratio, np.float32),
-        }
-        for name, (value, dtype) in scalars.items():
-            if value is not None:
-                inputs[name] = np.array([[value]], dtype=dtype)
-        for name in ("eviction_policy", "session_id"):
-            value = getattr(self, name)
-            if value is not None:
-                inputs[name] = text(value)
+            values["text_input"] = self.prompt or ""
+        for name in ("max_tokens", "temperature", "top_p", "seed", "kv_budget", "compression_ratio", "eviction_policy",
+                     "session_id"):
+            if getattr(self, name) is not None:
+                values[name] = getattr(self, name)
         if self.stop:
-            inputs["stop"] = np.array([[item.encode("utf-8") for item in self.stop]], dtype=np.object_)
-        return inputs
+            values["stop"] = list(self.stop)
+        return engine_inputs(values)
 
     def parameters(self) -> dict:
         # A completion prompt is the model's input as written, never wrapped in the chat template.
@@ -112,40 +103,18 @@ class EngineClient:
     async def generate(self, request: EngineRequest) -> AsyncIterator[Delta]:
         """Yield the engine's deltas. Closing the iterator early (the HTTP client went away) cancels the
         Triton request, and the engine frees the sequence's slots at its next step."""
-        import tritonclient.grpc as grpc_client
-        from tritonclient.utils import np_to_triton_dtype
-
-        tensors = []
-        for name, array in request.tensors().items():
-            tensor = grpc_client.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
-            tensor.set_data_from_numpy(array)
-            tensors.append(tensor)
-        outputs = [grpc_client.InferRequestedOutput(name) for name in OUTPUTS]
-
-        async def one_request():
-            yield {"model_name": self.model_name, "inputs": tensors, "outputs": outputs,
-                   "parameters": request.parameters() or None}
-
-        responses = self._client.stream_infer(one_request())
-        finished = False
+        responses = stream_generate(self._client, request.tensors(), request.parameters(), OUTPUTS, self.model_name)
         try:
-            async for result, error in responses:
-                if error is not None:
-                    raise EngineError(str(error.message() if hasattr(error, "message") else error))
-                delta = _delta(result)
-                finished = delta.finish_reason is not None
-                yield delta
-                if finished:
-                    return
-        except EngineError:
-            raise
+            async for result in responses:
+                yield _delta(result)
+        except StreamError as error:
+            raise EngineError(str(error)) from None
         except Exception as error:  # unreachable server, broken stream
             if isinstance(error, GeneratorExit):
                 raise
             raise EngineError(f"the engine is unavailable: {error}", kind="overloaded") from error
         finally:
-            if not finished:
-                responses.cancel()
+            await responses.aclose()  # a reader that stopped early: the stream is cancelled
 
 
 def _delta(result) -> Delta:

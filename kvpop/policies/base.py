@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any, ClassVar, Hashable
 
 import numpy as np
@@ -43,12 +44,27 @@ class EvictionPolicy(ABC):
     # enters at once; the engine then runs those last tokens as their own piece, with attention.
     query_window: int = field(default=0, init=False, repr=False)
 
+    # A deployment's settings of this policy (a dataclass of strings read from config.pbtxt parameters named
+    # `<name>_<setting>`) with `options(assets) -> dict`: the options every request of the policy then gets
+    # (kvpop.policies.registry.policy_settings). None: the policy has no settings.
+    Settings: ClassVar[type | None] = None
+
     @classmethod
-    def from_options(cls, learned_scorers: dict | None, **options: Any) -> "EvictionPolicy":
-        """The policy for a request's options: those it has as fields (the rest belong to other policies).
-        `learned_scorers`: the engine's loaded scorer networks by kind, for a policy that runs one."""
-        accepted = {field.name for field in fields(cls) if field.init}
-        return cls(**{key: value for key, value in options.items() if key in accepted})
+    def from_options(cls, options: Any, assets: Any = None) -> "EvictionPolicy":
+        """The policy for a request's options (its options object: kvpop.policies.registry.policy_options).
+        `assets`: what it loaded for the model (`load_assets`), for a policy that runs one (kvpop's scorers)."""
+        return cls(**{option.name: getattr(options, option.name) for option in fields(options)})
+
+    @classmethod
+    def check_options(cls, options: Any) -> None:
+        """ValueError, with the policy's own message, on options no model could run (a cache configuration
+        is checked when it is made; default: build the policy without assets)."""
+        cls.from_options(options)
+
+    @classmethod
+    def load_assets(cls, model_dir: Path) -> Any:
+        """What this policy loads once per exported model, shared by every sequence (default: nothing)."""
+        return None
 
     def init_state(self) -> Any:
         """A new sequence's policy state, which its cache keeps (default: none)."""
@@ -85,8 +101,9 @@ class EvictionPolicy(ABC):
         raise ValueError(f"unknown policy state kind {kind!r}")
 
     @classmethod
-    def prepare(cls, learned_scorers: dict, tokenizer: Any, vocab_size: int) -> None:
-        """Build, once per model, what `prompt_state` will need, before the first request (default nothing)."""
+    def prepare(cls, assets: Any, tokenizer: Any, vocab_size: int) -> None:
+        """Build, once per model, what `prompt_state` will need, before the first request (default nothing).
+        `assets`: this policy's (`load_assets`), or None."""
 
     def observe(self, cache: CacheView, update: CacheUpdate) -> StatisticsUpdate:
         """The statistics after the new tokens: theirs (L, Hkv, T) and the cached slots' that changed."""

@@ -2,7 +2,7 @@
 
 Every input and output tensor of `kvpop_engine` (decoupled: streams tokens) and `kvpop_service`
 (complete answers), with its Triton data type, dims and meaning, and the error kinds both models send.
-The request parser (kvpop.serving.request), the output tensors (kvpop.serving.responses), the
+The request parser (kvpop.serving.kvpop_engine.parse), the output tensors (kvpop.serving.kvpop_engine.responses), the
 models' error codes and the front end derive from this module; a test checks every config.pbtxt
 against it, and another the client's mirror (kvpop_client.contract, installable without kvpop).
 A new input is one more `TensorSpec` here and one more line in each config.pbtxt.
@@ -189,7 +189,7 @@ SERVICE = ModelContract(
 )
 MODELS = {model.name: model for model in (ENGINE, SERVICE)}
 
-# name -> spec of the inputs that carry one value (the options; parsed by kvpop.serving.request).
+# name -> spec of the inputs that carry one value (the options; parsed by kvpop.serving.kvpop_engine.parse).
 SCALAR_INPUTS: dict[str, TensorSpec] = {spec.name: spec for spec in OPTION_INPUTS}
 
 FINISH_REASONS = ("stop", "length", "cancelled")

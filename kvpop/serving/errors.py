@@ -5,6 +5,10 @@ from __future__ import annotations
 from kvpop.serving.contract import ErrorKind
 
 
+class InvalidRequestError(ValueError):
+    """The request is malformed (ErrorKind.INVALID); the message is sent back to the client."""
+
+
 def tagged(kind: ErrorKind | str, message: str) -> str:
     """The message with its kind's tag in front (once)."""
     tag = ErrorKind(kind).tag

@@ -60,7 +60,7 @@ def steps(out_dir: Path, dry_run: bool) -> list[Step]:
 
 def gpu_problem() -> str | None:
     """Why this machine cannot run the check on a GPU; None when it can."""
-    from kvpop.serving.process import count_gpus
+    from kvpop.serving.process.tritonserver import count_gpus
 
     if count_gpus() == 0:
         return "no GPU: nvidia-smi lists none. Run `make gpu-check` on a machine with an NVIDIA GPU (`--dry-run` checks the steps on the CPU)."

@@ -118,7 +118,7 @@ class Systems:
                 self.endpoints[("classic", pool)] = (service.classic_request, url)
         peers = [system for system in args.systems if system.startswith("llamacpp:")]
         if peers:
-            from kvpop.serving.process import free_port
+            from kvpop.serving.process.tritonserver import free_port
             from kvpop_eval.bench import llamacpp_peer
 
             source = args.gguf or llamacpp_peer.shipped_gguf()

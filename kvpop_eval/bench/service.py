@@ -3,7 +3,7 @@
     python -m kvpop_eval.bench.service --model build/bench/reference --hf-model models/reference \
         --out-dir build/results/service-reference              # make bench-service
 
-Starts the real server (kvpop.serving.launcher.TritonServer, CPU config) on the exported model, and
+Starts the real server (kvpop.serving.process.launcher.TritonServer, CPU config) on the exported model, and
 the classic design (kvpop_eval/bench/classic_server.py: FastAPI + Hugging Face `generate`, full cache,
 dynamic batcher) on the same weights, then measures with closed-loop clients, every cell once per
 repetition and repetitions interleaved (rep 1 of every cell, then rep 2, ...), so a slow minute of a
@@ -223,7 +223,7 @@ def stall_probe(url: str, system: str, vocab: int, stream_tokens: int) -> dict:
 def start_triton(model_dir: Path, root: Path, parameters: dict[str, str], log: Path, config_name: str | None = "cpu"):
     """`config_name`: the kvpop_engine config (`cpu`, `single_gpu`, None for the two-GPU config.pbtxt)."""
     from export.repository import assemble_model_repository
-    from kvpop.serving.process import TritonServer, free_port
+    from kvpop.serving.process.tritonserver import TritonServer, free_port
 
     assemble_model_repository(root, model_dir, parameters)
     server = TritonServer(
@@ -235,7 +235,7 @@ def start_triton(model_dir: Path, root: Path, parameters: dict[str, str], log: P
 
 
 def start_classic(hf_model: Path, max_batch: int, log: Path, dtype: str):
-    from kvpop.serving.process import free_port
+    from kvpop.serving.process.tritonserver import free_port
 
     port = free_port()
     process = subprocess.Popen(
@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         KVPOP_OPTIONS["kv_budget"] = args.kvpop_budget
 
     from kvpop.model_spec import ModelSpec
-    from kvpop.serving.process import choose_model_config, count_gpus
+    from kvpop.serving.process.tritonserver import choose_model_config, count_gpus
 
     systems = tuple(system for system in SYSTEMS if system in args.systems)  # the canonical order
     gpus = count_gpus()

@@ -4,7 +4,7 @@ without (the whole history is sent and prefilled every turn).
 
     python -m kvpop_eval.bench.sessions --model build/reference-export --out-dir build/results/sessions   # make bench-sessions
 
-Starts the real server (kvpop.serving.launcher.TritonServer, CPU config) on the exported model and
+Starts the real server (kvpop.serving.process.launcher.TritonServer, CPU config) on the exported model and
 streams over gRPC; TTFT is the time from sending the request to the first streamed token. The
 conversation: a --system-tokens first turn (a system prompt), then --user-tokens per user turn and
 --reply-tokens per answer (EOS ignored, greedy, policy `full`, so both runs see the same history).
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from export.repository import assemble_model_repository
-    from kvpop.serving.process import TritonServer, free_port
+    from kvpop.serving.process.tritonserver import TritonServer, free_port
 
     spec = json.loads((args.model / "model_spec.json").read_text())
     turns = user_turns(args.turns, args.system_tokens, args.user_tokens, spec["vocab_size"])

@@ -42,7 +42,7 @@ def _wait_healthy(url: str, process: subprocess.Popen, timeout: float = 120.0) -
 @contextlib.contextmanager
 def started_api(triton_grpc: str, log_dir: Path) -> Iterator[str]:
     """`python -m kvpop.openai_api` on a free port before the Triton server at `triton_grpc`; yields its URL."""
-    from kvpop.serving.process import free_port
+    from kvpop.serving.process.tritonserver import free_port
 
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -62,7 +62,7 @@ def started_api(triton_grpc: str, log_dir: Path) -> Iterator[str]:
 def started_server(model_repository: Path, log_dir: Path) -> Iterator[str]:
     """tritonserver on the model repository (its CPU config) and the OpenAI API beside it, on free ports;
     yields the API's URL."""
-    from kvpop.serving.process import TritonServer, free_port
+    from kvpop.serving.process.tritonserver import TritonServer, free_port
 
     log_dir.mkdir(parents=True, exist_ok=True)
     server = TritonServer(model_repository=model_repository, http_port=free_port(), grpc_port=free_port(),

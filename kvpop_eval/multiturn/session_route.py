@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Callable
 
 from kvpop.request import GenerationRequest, SamplingParams
-from kvpop.serving.config import ServiceConfig
-from kvpop.serving.request import request_cache_config
+from kvpop.serving.kvpop_engine.config import ServiceConfig
+from kvpop.serving.kvpop_engine.parse import request_cache_config
 from kvpop_eval.multiturn.chats import answered
 from kvpop_eval.multiturn.turns import TurnTokens
 
@@ -39,16 +39,13 @@ def run_chats(engine, chats: list[dict], policy: str, compression: float, reply_
               on_row: Callable[[dict], None]) -> None:
     """`chats` under one policy, a batch of the engine's size at a time (all its turns k in one call);
     `on_row(row)` as each batch's chats end."""
-    from kvpop_eval.engine_factory import resolve_scorer
-
     turns = TurnTokens(engine.tokenizer)
-    scorer = resolve_scorer(SERVICE.kvpop_scorer, engine.learned_scorers)
     size = engine.config.max_batch_size
     for start in range(0, len(chats), size):
         batch = chats[start : start + size]
         budgets = [None if policy == "full" else math.ceil((1 - compression) * turns.planned(chat["users"], reply_tokens, answer_tokens, chat.get("system")))
                    for chat in batch]
-        caches = [request_cache_config(policy, budget, None, SERVICE, scorer) for budget in budgets]
+        caches = [request_cache_config(policy, budget, None, SERVICE) for budget in budgets]
         tag = hashlib.sha256(f"{policy}:{compression}:{start}:{time.time()}".encode()).hexdigest()[:8]
         prompts = [turns.first(chat["users"][0], chat.get("system")) for chat in batch]
         replies: list[list[str]] = [[] for _ in batch]

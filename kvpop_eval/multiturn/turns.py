@@ -4,7 +4,7 @@ would have it (SmolLM2's template renders a reply back to its own tokens)."""
 
 from __future__ import annotations
 
-from kvpop.serving.chat import render_chat
+from kvpop.serving.kvpop_engine.chat import render_chat
 
 
 class TurnTokens:

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         if args.out_dir is None:
             parser.error("--sweep needs --out-dir")
-        default = [*POLICIES, *(f"kvpop:{kind}" for kind in engine.learned_scorers)]
+        default = [*POLICIES, *(f"kvpop:{kind}" for kind in engine.policy_assets.get("kvpop", {}))]
         policies = [name.strip() for name in args.policies.split(",") if name.strip()] if args.policies else default
         unknown = [name for name in policies if name.partition(":")[0] not in POLICIES]
         if unknown:
@@ -90,9 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is None:
         parser.error("a single run needs --out")
     try:
-        config = CacheConfig(policy=args.policy, budget=args.budget, compression=args.compression, sinks=args.sinks,
-                             window=args.window, scorer=resolve_scorer(args.scorer, engine.learned_scorers),
-                             **(kvpop_options if args.policy == "kvpop" else {}))
+        config = CacheConfig(policy=args.policy, budget=args.budget, compression=args.compression,
+                             options=dict(sinks=args.sinks, window=args.window, scorer=resolve_scorer(args.scorer, engine.policy_assets.get("kvpop", {})),
+                                          **(kvpop_options if args.policy == "kvpop" else {})))
     except ValueError as error:
         parser.error(str(error))
     report = stamp(evaluate(engine, tasks, config, args.max_tokens, args.scoring))

@@ -25,12 +25,12 @@ def evaluate(
     """Run every task greedily under `cache`; return the report (summary + one row per task). `label`: the
     progress bar's name (a sweep row's), else the policy's."""
     tokenizer, is_correct = engine.tokenizer, scorer(scoring)
-    policy = cache.build_policy(engine.learned_scorers)
+    policy = cache.build_policy(engine.policy_assets)
     requests = [
         GenerationRequest(f"task-{index}", encode(tokenizer, task["prompt"]), SamplingParams(max_tokens=max_tokens), cache)
         for index, task in enumerate(tasks)
     ]
-    label = label or (cache.policy if cache.policy != "kvpop" else f"kvpop:{cache.scorer}")
+    label = label or (cache.policy if cache.policy != "kvpop" else f"kvpop:{cache.options.scorer}")
     label += f" @ {cache.compression:.0%}" if cache.compression else ""
     start = time.perf_counter()
     with tqdm(total=len(requests), desc=label, unit="task", file=sys.stderr, dynamic_ncols=True, leave=False) as progress:
@@ -53,12 +53,12 @@ def evaluate(
     count = len(rows)
     return {
         "policy": cache.policy,
-        "scorer": cache.scorer if cache.policy == "kvpop" else None,
+        "scorer": cache.options.scorer if cache.policy == "kvpop" else None,
         **({"span_pooling": policy.span_pooling, "query_window": policy.query_window} if cache.policy == "kvpop" else {}),
         "budget": cache.budget,
         "compression_target": cache.compression,
-        "sinks": cache.sinks,
-        "window": cache.window,
+        "sinks": getattr(cache.options, "sinks", None),
+        "window": getattr(cache.options, "window", None),
         "scoring": scoring,
         "tasks": count,
         "accuracy": sum(row["correct"] for row in rows) / count,
@@ -93,8 +93,8 @@ def policy_config(policy: str, ratio: float | None, sinks: int = 4, window: int 
     if variant and variant not in KVPOP_VARIANTS:
         raise ValueError(f"unknown kvpop variant {variant!r} in {policy!r}; known: {sorted(KVPOP_VARIANTS)}")
     options = {**(kvpop_options or {}), **KVPOP_VARIANTS.get(variant, {})} if name == "kvpop" else {}
-    return CacheConfig(policy=name, compression=ratio, budget=budget, sinks=sinks, window=window,
-                       scorer=scorer_name or "accumulated_attention", **options)
+    return CacheConfig(policy=name, compression=ratio, budget=budget,
+                       options=dict(sinks=sinks, window=window, scorer=scorer_name or "accumulated_attention", **options))
 
 
 def sweep(
@@ -114,7 +114,7 @@ def sweep(
     """Every policy x compression. At 0% nothing is evicted, so every policy IS the full cache:
     full runs once and stands for all of them there. Without `run_full` (rows to merge into a sweep
     that has the full cache, `--merge`) only the listed policies run and only sweep.json is written.
-    `kvpop_options`: CacheConfig fields for the kvpop rows (span_pooling, query_window)."""
+    `kvpop_options`: the kvpop rows' policy options (span_pooling, query_window)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     header = stamp({"tasks": len(tasks), "scoring": scoring, "tasks_file": str(tasks_file) if tasks_file else None,
                     "tasks_sha256": hashlib.sha256(Path(tasks_file).read_bytes()).hexdigest() if tasks_file else None})
@@ -126,7 +126,7 @@ def sweep(
 
     summary: list[dict] = []
     if run_full:
-        full = evaluate(engine, tasks, CacheConfig(policy="full", sinks=sinks, window=window), max_tokens, scoring)
+        full = evaluate(engine, tasks, CacheConfig(policy="full", options=dict(sinks=sinks, window=window)), max_tokens, scoring)
         summary.append(summary_row(full, "full", 0.0))
         save(False)
         print(f"full: accuracy {full['accuracy']:.3f} ({full['seconds']:.0f} s)", flush=True)

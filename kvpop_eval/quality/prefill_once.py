@@ -99,7 +99,7 @@ def prefill(engine: Engine, prompt_ids: list[int], query_window: int, accumulate
 def branch(engine: Engine, prompt: PrefilledPrompt, config: CacheConfig, max_tokens: int) -> SlotCache:
     """The cache `config` keeps of the prefilled prompt: its pieces replayed into a new cache of that policy and
     budget as the engine's staging takes them (a policy that reads attention gets the whole prompt at once)."""
-    policy = config.build_policy(engine.learned_scorers)
+    policy = config.build_policy(engine.policy_assets)
     length = len(prompt.prompt_ids)
     budget = config.resolve_budget(length, max_tokens)
     cache = SlotCache(engine.spec, policy, budget, 0 if budget is None else reserved_slots(budget, length, max_tokens))
@@ -190,7 +190,7 @@ def summarize(records: list[dict], cells: list[Cell], configs: dict[Cell, CacheC
                                            for result in mine),
                "harness": "prefill_once"}
         if engine is not None and cell.policy.startswith("kvpop"):
-            policy = configs[cell].build_policy(engine.learned_scorers)
+            policy = configs[cell].build_policy(engine.policy_assets)
             row.update(query_window=policy.query_window, span_pooling=policy.span_pooling)
         rows.append(row)
     return rows
@@ -212,7 +212,7 @@ def run(engine: Engine, lines: list[str], tasks_file: str, out_dir: Path, polici
     cells = sweep_cells(policies, compressions)
     configs = {cell: CacheConfig(policy="full") if cell.policy == "full"
                else policy_config(cell.policy, cell.compression, sinks, window, kvpop_options) for cell in cells}
-    built = [configs[cell].build_policy(engine.learned_scorers) for cell in cells]
+    built = [configs[cell].build_policy(engine.policy_assets) for cell in cells]
     windows = {policy.query_window for policy in built if policy.query_window > 0} or {DEFAULT_WINDOW}
     if len(windows) != 1:
         raise ValueError(f"the policies read question windows of different lengths {sorted(windows)}: run them apart")

@@ -41,7 +41,7 @@ def scorer(name: str) -> Callable[[str, Any], bool]:
         return lambda generated, answer: all(
             str(item).strip() in generated for item in (answer if isinstance(answer, list) else [answer])
         )
-    from kvpop_eval.tasks import exact_match
+    from kvpop_tasks import exact_match
 
     return lambda generated, answer: exact_match(generated, str(answer))
 

@@ -1,5 +1,5 @@
-"""The reference model: a small Llama trained from scratch on kvpop_eval.tasks, shipped in models/reference.
+"""The reference model: a small Llama trained from scratch on kvpop_tasks, shipped in models/reference.
 
-Entry points: `python -m kvpop_train.reference.train` (resumable curriculum training) and
-`python -m kvpop_train.reference.evaluate` (full cache vs StreamingLLM accuracy per context length).
+Entry point: `python -m kvpop_train.reference.train` (resumable curriculum training); its evaluation (full
+cache vs StreamingLLM accuracy per context length) is `python -m kvpop_eval.reference_model`.
 """

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpop_eval.tasks import Task, TaskConfig, generate_task
-from kvpop_eval.tasks.generator import FORMAT, question_words
+from kvpop_tasks import Task, TaskConfig, generate_task
+from kvpop_tasks.generator import FORMAT, question_words
 from kvpop_train.reference.drills import Drill, drill_words
 from kvpop_train.reference.tokenizer import BOS, EOS, PAD, VOCAB, encode_words
 

@@ -1,7 +1,7 @@
 """Resumable training state and the exported Hugging Face model directory.
 
 The checkpoint (model, optimizer, curriculum, counters, RNG) lets `make reference-model`
-continue where the last session stopped; the export is what the rest of the project loads.
+continue where the last run stopped; the export is what the rest of the project loads.
 Both are written to a temporary file first and renamed, so an interrupted run never leaves a
 half-written file behind.
 """
@@ -29,7 +29,7 @@ class TrainingState:
     model_config: ReferenceModelConfig = field(default_factory=ReferenceModelConfig)
     step: int = 0
     tokens: int = 0  # training tokens seen (padding excluded)
-    seconds: float = 0.0  # training wall time, summed over sessions
+    seconds: float = 0.0  # training wall time, summed over runs
     next_task_index: int = 0  # next task of the train split
     curriculum: CurriculumState = field(default_factory=CurriculumState)
     history: list[dict] = field(default_factory=list)  # validation measurements

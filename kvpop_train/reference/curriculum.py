@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvpop_eval.tasks import TaskConfig
+from kvpop_tasks import TaskConfig
 from kvpop_train.reference.drills import Drill, LookupDrill, RepeatDrill
 
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from kvpop_eval.tasks.generator import COPY, FORMAT, RETRIEVE
-from kvpop_eval.tasks.language import FACT_END, MAX_VALUE, NAMES, NUMBERS, OPERATORS
+from kvpop_tasks.generator import COPY, FORMAT, RETRIEVE
+from kvpop_tasks.language import FACT_END, MAX_VALUE, NAMES, NUMBERS, OPERATORS
 
 _SEED_BASE = 1 << 50  # drill streams never share seeds with task splits
 

@@ -6,7 +6,7 @@ accuracy table, so the card never states a number that was not measured.
 
 from __future__ import annotations
 
-from kvpop_eval.tasks import TaskConfig, generate_task
+from kvpop_tasks import TaskConfig, generate_task
 from kvpop_train.reference.curriculum import STAGES
 
 
@@ -17,8 +17,8 @@ def render_card(summary: dict, evaluation: dict | None = None) -> str:
         "# KVpop reference model",
         "",
         "A small `LlamaForCausalLM` trained from scratch on the KVpop long-context multi-step arithmetic",
-        "tasks (`kvpop_eval.tasks`), so that KV-cache eviction can be measured on a model that really reads",
-        "its context. Reproduce with `make reference-model` (resumes from `models/reference/checkpoint/`);",
+        "tasks (`kvpop_tasks`), so that KV-cache eviction can be measured on a model that really reads",
+        "its context. Reproduce with `make reference-model` (resumes from `build/checkpoints/reference/`);",
         "measure with `make eval-reference`.",
         "",
         "## Architecture",

@@ -1,6 +1,6 @@
 """Word-level tokenizer for the task language, saved in the Hugging Face format.
 
-The task language is a closed vocabulary (kvpop_eval.tasks.language), so a word-level model is
+The task language is a closed vocabulary (kvpop_tasks.language), so a word-level model is
 exact: one word, one token, no merges to learn. BOS is added by the post-processor so
 `AutoTokenizer.from_pretrained(dir)(prompt)` yields exactly the ids the model was trained on.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from kvpop_eval.tasks.language import WORDS
+from kvpop_tasks.language import WORDS
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, UNK)

@@ -1,4 +1,4 @@
-"""Train the reference model through the curriculum; resumes from the checkpoint when one exists.
+"""Train the reference model through the curriculum; resumes from its checkpoint (in build/) when one exists.
 
     python -m kvpop_train.reference.train --out models/reference [--threads N] [--hours H]
 
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from kvpop_eval.tasks import generate_split
+from kvpop_tasks import generate_split
 from kvpop_train.reference.batches import IGNORE, TrainingStream
 from kvpop_train.reference.checkpoint import (
     TrainingState,
@@ -40,7 +40,8 @@ from kvpop_train.reference.validation import validate
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m kvpop_train.reference.train", description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("models/reference"), help="exported model directory")
-    parser.add_argument("--checkpoint-dir", type=Path, default=None, help="default: OUT/checkpoint")
+    parser.add_argument("--checkpoint-dir", type=Path, default=None,
+                        help="where training state is kept to resume (default: build/checkpoints/<OUT's name>, git-ignored)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--hours", type=float, default=None, help="wall-clock limit of this run")
     parser.add_argument("--max-total-hours", type=float, default=8.0, help="training budget over all runs")
@@ -59,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    checkpoint_dir = args.checkpoint_dir or args.out / "checkpoint"
+    checkpoint_dir = args.checkpoint_dir or Path("build") / "checkpoints" / args.out.name
     payload = None if args.fresh else load_checkpoint(checkpoint_dir)
 
     state = payload["state"] if payload else TrainingState(model_config=ReferenceModelConfig())

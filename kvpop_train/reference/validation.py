@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
-from kvpop_eval.tasks import Task
+from kvpop_tasks import Task
 from kvpop_train.reference.batches import IGNORE, ROLE_IDS, collate
 
 

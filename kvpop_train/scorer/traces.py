@@ -98,8 +98,8 @@ def task_texts(
     compression; 0.730 with 8 questions per context; 0.915 with questions about every fact, only their
     queries counting, max over the runs; docs/QUALITY.md).
     """
-    from kvpop_eval.tasks import TaskConfig, generate_task
-    from kvpop_eval.tasks.generator import question_words
+    from kvpop_tasks import TaskConfig, generate_task
+    from kvpop_tasks.generator import question_words
 
     configs = [TaskConfig(context_tokens=length) for length in lengths]
     configs += [TaskConfig(context_tokens=length, num_facts=16) for length in lengths]

@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[train-scorer] {kind}: {json.dumps(report)}", flush=True)
     summary = {
         "model": str(args.model),
-        "texts": str(args.texts or "kvpop_eval.tasks train split"),
+        "texts": str(args.texts or "kvpop_tasks train split"),
         "traces": {
             "train": len(training.traces), "validation": len(validation.traces), "tokens": sum(t.length for t in traces)
         },

@@ -15,12 +15,12 @@ def batch(tag: str) -> list[GenerationRequest]:
     """Learned-scorer sequences of different lengths and budgets, sharing the batch with other policies."""
     rng = np.random.default_rng(7)
     configs = [
-        CacheConfig(policy="kvpop", budget=12, sinks=2, scorer="mlstm"),
-        CacheConfig(policy="kvpop", budget=12, sinks=2, scorer="mlstm"),
-        CacheConfig(policy="kvpop", budget=20, sinks=1, scorer="mlstm"),
-        CacheConfig(policy="kvpop", budget=12, sinks=2, scorer="mlp"),
-        CacheConfig(policy="kvpop", budget=16, sinks=3, scorer="mlp"),
-        CacheConfig(policy="h2o", budget=12, sinks=2, window=4),
+        CacheConfig(policy="kvpop", budget=12, options=dict(sinks=2, scorer="mlstm")),
+        CacheConfig(policy="kvpop", budget=12, options=dict(sinks=2, scorer="mlstm")),
+        CacheConfig(policy="kvpop", budget=20, options=dict(sinks=1, scorer="mlstm")),
+        CacheConfig(policy="kvpop", budget=12, options=dict(sinks=2, scorer="mlp")),
+        CacheConfig(policy="kvpop", budget=16, options=dict(sinks=3, scorer="mlp")),
+        CacheConfig(policy="h2o", budget=12, options=dict(sinks=2, window=4)),
         CacheConfig(policy="full"),
     ]
     return [
@@ -72,9 +72,13 @@ def test_vectorised_decode_equals_the_per_sequence_path_step_by_step(tiny_onnx_m
 @pytest.mark.parametrize("kind", ["mlstm", "mlp"])
 def test_only_steady_state_kvpop_caches_are_grouped(tiny_onnx_model_dir, kind):
     engine = Engine.from_model_dir(tiny_onnx_model_dir, EngineConfig(prefill_chunk=8))
-    config = CacheConfig(policy="kvpop", budget=12, sinks=2, scorer=kind)
-    cache = engine.cache_manager.allocate(GenerationRequest("a", list(range(3, 40)), SamplingParams(max_tokens=4), config)).cache
+    config = CacheConfig(policy="kvpop", budget=12, options=dict(sinks=2, scorer=kind))
+    def allocate(request: GenerationRequest):  # a request as the engine reads it, given its cache
+        pending = engine.read(request)
+        return engine.cache_manager.allocate(request, pending.budget, pending.policy).cache
+
+    cache = allocate(GenerationRequest("a", list(range(3, 40)), SamplingParams(max_tokens=4), config))
     assert cache.policy.decode_group(cache) is None  # empty: still filling up
-    other = engine.cache_manager.allocate(GenerationRequest("b", [3, 4, 5], SamplingParams(max_tokens=4), CacheConfig(policy="streaming", budget=8))).cache
+    other = allocate(GenerationRequest("b", [3, 4, 5], SamplingParams(max_tokens=4), CacheConfig(policy="streaming", budget=8)))
     assert other.policy.decode_group(other) is None  # not kvpop
     assert SCORE in cache.statistics

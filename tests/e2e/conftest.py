@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from export.repository import assemble_model_repository
-from kvpop.serving.process import TritonServer, free_port
+from kvpop.serving.process.tritonserver import TritonServer, free_port
 
 
 def checkpoint_dir(server: TritonServer) -> Path:

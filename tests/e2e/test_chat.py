@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from kvpop.serving.chat import render_chat
+from kvpop.serving.kvpop_engine.chat import render_chat
 
 pytestmark = pytest.mark.server
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Let a = 7. What is a?"}]

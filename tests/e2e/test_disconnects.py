@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from kvpop.serving.process import TritonServer, free_port
+from kvpop.serving.process.tritonserver import TritonServer, free_port
 from export.repository import assemble_model_repository
 from tests.e2e.conftest import TEST_ENGINE_PARAMETERS, metric_reader, start_api
 

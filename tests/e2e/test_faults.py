@@ -1,4 +1,4 @@
-"""Faults an operator meets, against the real supervisor (`python -m kvpop.serving.launcher`, what
+"""Faults an operator meets, against the real supervisor (`python -m kvpop.serving.process.launcher`, what
 `make serve` and the container run): a Python backend stub killed with SIGKILL, SIGTERM under load, the
 launcher stopped hard (SIGTERM, then SIGKILL), and a tritonserver killed with SIGKILL mid-request, whose
 stubs must not outlive it."""
@@ -20,8 +20,8 @@ import psutil
 import pytest
 
 from export.repository import assemble_model_repository
-from kvpop.serving.ports import check_ports
-from kvpop.serving.process import TritonServer, free_port
+from kvpop.serving.process.ports import check_ports
+from kvpop.serving.process.tritonserver import TritonServer, free_port
 from kvpop_client import KVpopClient, KVpopServerError
 
 from .conftest import TEST_ENGINE_PARAMETERS
@@ -36,7 +36,7 @@ class Supervised:
     def __init__(self, root: Path, grace_seconds: float = 30) -> None:
         self.ports = {name: free_port() for name in ("http", "grpc", "metrics", "health", "openai")}
         self.log = root / "launcher.log"
-        command = [sys.executable, "-m", "kvpop.serving.launcher", f"--model-repository={root / 'models'}",
+        command = [sys.executable, "-m", "kvpop.serving.process.launcher", f"--model-repository={root / 'models'}",
                    "--model-config-name=cpu", "--address=127.0.0.1", f"--grace-seconds={grace_seconds}",
                    f"--log-file={root / 'tritonserver.log'}", f"--state-dir={root / 'state'}",
                    *(f"--{name}-port={port}" for name, port in self.ports.items())]

@@ -19,7 +19,7 @@ REPLY = 12
 
 @pytest.fixture(scope="module")
 def warm_server(tmp_path_factory, tiny_onnx_model_dir):
-    from kvpop.serving.process import TritonServer, free_port
+    from kvpop.serving.process.tritonserver import TritonServer, free_port
     from kvpop_client import KVpopClient
 
     from e2e.conftest import TEST_ENGINE_PARAMETERS
@@ -50,7 +50,7 @@ def test_a_warm_prefix_is_reused_and_gives_the_cold_tokens(warm_server, tiny_onn
 
     from kvpop.engine import Engine, EngineConfig
     from kvpop.request import GenerationRequest, SamplingParams
-    from kvpop.serving.chat import render_chat
+    from kvpop.serving.kvpop_engine.chat import render_chat
 
     client, metric = warm_server
     tokenizer = AutoTokenizer.from_pretrained(tiny_onnx_model_dir / "tokenizer")

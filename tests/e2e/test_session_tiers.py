@@ -25,7 +25,7 @@ def prompt_of(index: int, length: int = PROMPT) -> list[int]:
 
 @pytest.fixture(scope="module")
 def tiered(tmp_path_factory, tiny_onnx_model_dir):
-    from kvpop.serving.process import TritonServer, free_port
+    from kvpop.serving.process.tritonserver import TritonServer, free_port
     from kvpop_client import KVpopClient
 
     from e2e.conftest import TEST_ENGINE_PARAMETERS

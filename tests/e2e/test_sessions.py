@@ -110,7 +110,7 @@ def test_from_a_read_only_repository_a_restart_after_sigkill_continues_every_che
     import stat
 
     from kvpop_client import KVpopClient
-    from kvpop.serving.process import TritonServer, free_port
+    from kvpop.serving.process.tritonserver import TritonServer, free_port
 
     from e2e.conftest import TEST_ENGINE_PARAMETERS
     from export.repository import assemble_model_repository

@@ -44,7 +44,7 @@ def hf_greedy(tiny_hf_model_dir) -> list[list[int]]:
 
 
 def cache_config(policy: str, budget: int | None, **options) -> CacheConfig:
-    return CacheConfig(policy=policy, budget=None if policy == "full" else budget, sinks=2, window=4, **options)
+    return CacheConfig(policy=policy, budget=None if policy == "full" else budget, options=dict(sinks=2, window=4, **options))
 
 
 def requests(policy: str, budget: int | None, sampling: SamplingParams | None = None, tag: str = "") -> list[GenerationRequest]:
@@ -63,7 +63,7 @@ def test_every_policy_matches_hf_greedy_when_the_budget_holds_the_sequence(decod
 
 def test_compression_zero_is_the_full_cache(decoder, hf_greedy):
     engine = Engine(decoder)
-    config = CacheConfig(policy="kvpop", compression=0.0, sinks=2, window=4)
+    config = CacheConfig(policy="kvpop", compression=0.0, options=dict(sinks=2, window=4))
     results = engine.generate([GenerationRequest(str(i), p, SamplingParams(max_tokens=NEW_TOKENS), config) for i, p in enumerate(PROMPTS)])
     assert [result.output_ids for result in results] == hf_greedy
     assert [result.budget for result in results] == [len(p) + NEW_TOKENS for p in PROMPTS]
@@ -201,7 +201,7 @@ def test_bounded_memory_is_flat_in_generated_length(decoder):
         (lambda: CacheConfig(policy="full", budget=4), "neither budget nor compression"),
         (lambda: CacheConfig(policy="tova", compression=1.0), r"compression must be in \[0, 1\)"),
         (lambda: CacheConfig(policy="tova", budget=0), "positive whole number"),
-        (lambda: CacheConfig(policy="kvpop", budget=8, scorer="lstm"), "unknown kvpop scorer"),
+        (lambda: CacheConfig(policy="kvpop", budget=8, options=dict(scorer="lstm")), "unknown kvpop scorer"),
         (lambda: SamplingParams(temperature=-1), "temperature"),
         (lambda: SamplingParams(top_p=0.0), "top_p"),
         (lambda: SamplingParams(max_tokens=0), "max_tokens"),
@@ -227,12 +227,12 @@ def test_invalid_requests_are_refused_at_add(decoder):
 @pytest.mark.parametrize("kind", ["mlstm", "mlp"])
 def test_learned_scorers_load_with_the_model_and_bound_the_cache(tiny_onnx_model_dir, hf_greedy, kind):
     engine = Engine.from_model_dir(tiny_onnx_model_dir, EngineConfig(prefill_chunk=4))
-    assert set(engine.learned_scorers) == {"mlstm", "mlp"}
-    roomy = CacheConfig(policy="kvpop", budget=64, scorer=kind)
+    assert set(engine.policy_assets["kvpop"]) == {"mlstm", "mlp"}
+    roomy = CacheConfig(policy="kvpop", budget=64, options=dict(scorer=kind))
     results = engine.generate([GenerationRequest(f"{kind}-{i}", p, SamplingParams(max_tokens=NEW_TOKENS), roomy)
                                for i, p in enumerate(PROMPTS)])
     assert [result.output_ids for result in results] == hf_greedy
-    tight = CacheConfig(policy="kvpop", budget=12, sinks=2, scorer=kind)
+    tight = CacheConfig(policy="kvpop", budget=12, options=dict(sinks=2, scorer=kind))
     results = engine.generate([GenerationRequest(f"{kind}-tight-{i}", p, SamplingParams(max_tokens=NEW_TOKENS), tight)
                                for i, p in enumerate(PROMPTS)])
     assert all(result.budget == 12 and result.tokens_evicted == result.tokens_seen - 12 for result in results)
@@ -241,7 +241,7 @@ def test_learned_scorers_load_with_the_model_and_bound_the_cache(tiny_onnx_model
 def test_a_learned_scorer_the_model_lacks_is_refused_at_add(decoder):
     engine = Engine(decoder)  # no learned scorers loaded
     with pytest.raises(ValueError, match="no learned kvpop scorer 'mlstm'"):
-        engine.add_request(GenerationRequest("x", [0, 1], cache=CacheConfig(policy="kvpop", budget=8, scorer="mlstm")))
+        engine.add_request(GenerationRequest("x", [0, 1], cache=CacheConfig(policy="kvpop", budget=8, options=dict(scorer="mlstm"))))
 
 
 def test_every_policy_matches_hf_greedy_on_the_reference_model(reference_onnx_model_dir):
@@ -249,7 +249,7 @@ def test_every_policy_matches_hf_greedy_on_the_reference_model(reference_onnx_mo
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from kvpop_eval.tasks import TaskConfig, generate_task
+    from kvpop_tasks import TaskConfig, generate_task
 
     tokenizer = AutoTokenizer.from_pretrained(reference_onnx_model_dir / "tokenizer")
     prompts = [tokenizer(generate_task(TaskConfig(context_tokens=256), "test", index).prompt).input_ids for index in range(2)]

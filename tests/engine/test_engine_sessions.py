@@ -54,7 +54,7 @@ def test_a_prompt_that_does_not_continue_the_session_prefills_cold(decoder, tiny
     first = run(engine, "a", user_turn(0), CacheConfig(), session_id="s")
     edited = [user_turn(0)[0] + 1] + user_turn(0)[1:] + first.output_ids + user_turn(1)
     assert run(engine, "b", edited, CacheConfig(), session_id="s").tokens_reused == 0
-    other_budget = CacheConfig(policy="streaming", budget=32, sinks=2)  # other options: cold as well
+    other_budget = CacheConfig(policy="streaming", budget=32, options=dict(sinks=2))  # other options: cold as well
     history = edited + run(engine, "c", edited, CacheConfig(), session_id="s").output_ids
     assert run(engine, "d", history + [5], other_budget, session_id="s").tokens_reused == 0
     assert engine.close_session("s") and not engine.close_session("s")
@@ -80,7 +80,7 @@ def one_long_sequence(decoder: DecoderStep, cache: SlotCache, segments, chunk: i
 
 @pytest.mark.parametrize("policy", ["streaming", "h2o", "tova", "random", "kvpop"])
 def test_a_bounded_session_continues_the_cache_of_one_long_sequence(decoder, tiny_onnx_model_dir, tmp_path, policy):
-    config = CacheConfig(policy=policy, budget=24, sinks=2, window=4, seed=7)
+    config = CacheConfig(policy=policy, budget=24, options=dict(sinks=2, window=4, seed=7))
     engine = Engine(decoder, EngineConfig(prefill_chunk=16), sessions=make_store(tiny_onnx_model_dir, tmp_path))
     prompt = user_turn(0)
     first = run(engine, "t1", prompt, config, session_id="long")

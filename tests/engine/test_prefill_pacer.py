@@ -1,4 +1,4 @@
-"""The prefill pacer (kvpop.prefill_pacer) sizes a step's prompt work from measured step times."""
+"""The prefill pacer (kvpop.engine.prefill_pacer) sizes a step's prompt work from measured step times."""
 
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from kvpop.cache.prefix_cache import PrefixCache
-from kvpop.engine import Engine, EngineConfig, load_learned_scorers
+from kvpop.engine import Engine, EngineConfig
+from kvpop.policies.kvpop import load_learned_scorers
 from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
 
 CHUNK = 8
@@ -34,9 +35,9 @@ def request(request_id: str, prompt: list[int], cache: CacheConfig) -> Generatio
 
 def engines(decoder, scorers, cache: CacheConfig) -> tuple[Engine, Engine, int]:
     """(an engine with PREFIX warm, a cold one, the prefix tokens kept)."""
-    warm = Engine(decoder, EngineConfig(prefill_chunk=CHUNK), learned_scorers=scorers, prefixes=PrefixCache())
+    warm = Engine(decoder, EngineConfig(prefill_chunk=CHUNK), policy_assets={"kvpop": scorers}, prefixes=PrefixCache())
     kept = warm.warm_prefix(PREFIX, cache)
-    return warm, Engine(decoder, EngineConfig(prefill_chunk=CHUNK), learned_scorers=scorers), kept
+    return warm, Engine(decoder, EngineConfig(prefill_chunk=CHUNK), policy_assets={"kvpop": scorers}), kept
 
 
 def test_full_reuses_the_whole_prefix_and_gives_the_cold_tokens(decoder, scorers):
@@ -63,7 +64,7 @@ def test_a_prompt_without_the_prefix_or_with_nothing_after_it_misses(decoder, sc
 @pytest.mark.parametrize("policy", ["streaming", "h2o", "tova", "random", "kvpop", "kvpop:mlstm"])
 def test_a_bounded_prefix_is_chunk_aligned_and_equals_a_cold_prefill(decoder, scorers, policy):
     name, _, scorer = policy.partition(":")
-    cache = CacheConfig(policy=name, budget=24, sinks=2, window=4, seed=7, scorer=scorer or "accumulated_attention")
+    cache = CacheConfig(policy=name, budget=24, options=dict(sinks=2, window=4, seed=7, scorer=scorer or "accumulated_attention"))
     warm, cold, kept = engines(decoder, scorers, cache)
     assert kept == 40  # 5 whole chunks; the prefix is longer than the budget, so it already evicted
     prompt = PREFIX + tokens(20, 13)
@@ -81,7 +82,7 @@ def test_a_bounded_prefix_is_chunk_aligned_and_equals_a_cold_prefill(decoder, sc
 
 
 def test_requests_start_from_copies_and_never_change_the_snapshot(decoder, scorers):
-    cache = CacheConfig(policy="h2o", budget=24, window=4)
+    cache = CacheConfig(policy="h2o", budget=24, options=dict(window=4))
     warm, cold, _ = engines(decoder, scorers, cache)
     [snapshot] = warm.cache_manager.prefixes
     before = {name: np.array(getattr(snapshot, name)) for name in ("key", "value", "position")}
@@ -106,8 +107,8 @@ def test_a_compression_ratio_has_no_fixed_budget_to_warm(decoder, scorers):
 
 
 def test_the_warm_prefixes_parameter_is_validated_at_load():
-    from kvpop.serving.config import ServiceConfig
-    from kvpop.serving.warm_prefixes import parse_warm_prefixes, warm_policies
+    from kvpop.serving.kvpop_engine.config import ServiceConfig
+    from kvpop.serving.kvpop_engine.warm_prefixes import parse_warm_prefixes, warm_policies
 
     system = [{"role": "system", "content": "Be brief."}]
     assert parse_warm_prefixes('["You are helpful.", [{"role": "system", "content": "Be brief."}]]') == ["You are helpful.", system]

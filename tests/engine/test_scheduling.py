@@ -19,7 +19,7 @@ LONG_PROMPT = [0] + [int(token) for token in rng.integers(3, 250, size=95)]  # 9
 
 
 def cache_config(policy: str) -> CacheConfig:
-    return CacheConfig(policy=policy, budget=None if policy == "full" else 12, sinks=2, window=4)
+    return CacheConfig(policy=policy, budget=None if policy == "full" else 12, options=dict(sinks=2, window=4))
 
 
 def request(name: str, prompt: list[int], policy: str, max_tokens: int) -> GenerationRequest:
@@ -261,11 +261,11 @@ def test_the_decode_step_and_a_prompt_piece_share_one_mixed_call(tiny_onnx_model
     """With the mixed step exported, a step that decodes running streams and feeds a piece of a new
     prompt makes one decoder call instead of two, and every answer and the new prompt's cache are
     those of separate calls. A policy that reads attention (h2o) keeps separate calls."""
-    from kvpop.engine import load_learned_scorers
+    from kvpop.policies.kvpop import load_learned_scorers
 
     scorers = load_learned_scorers(tiny_onnx_model_dir)
     if policy == "kvpop:mlstm":
-        config = CacheConfig(policy="kvpop", budget=40, sinks=2, scorer="mlstm")
+        config = CacheConfig(policy="kvpop", budget=40, options=dict(sinks=2, scorer="mlstm"))
     else:
         config = cache_config(policy)
     results = {}
@@ -273,7 +273,7 @@ def test_the_decode_step_and_a_prompt_piece_share_one_mixed_call(tiny_onnx_model
         decoder = DecoderStep(tiny_onnx_model_dir, threads=1, mixed=mixed)
         assert decoder.has_mixed_step == mixed
         calls = counted(decoder)
-        engine = Engine(decoder, EngineConfig(max_batch_size=4, prefill_chunk=8, max_step_tokens=8), learned_scorers=scorers)
+        engine = Engine(decoder, EngineConfig(max_batch_size=4, prefill_chunk=8, max_step_tokens=8), policy_assets={"kvpop": scorers})
         streams = [GenerationRequest(f"s{i}", prompt, SamplingParams(max_tokens=30, ignore_eos=True), config)
                    for i, prompt in enumerate(RUNNING_PROMPTS)]
         for stream in streams:
@@ -305,18 +305,18 @@ def test_a_learned_scorer_takes_a_staged_chunk_in_piece_by_piece(tiny_onnx_model
     takes each piece in as it is computed (`KVpopPolicy.stage`), so the step that completes the chunk
     runs no scorer call for it, and the cache (kept positions, keys, scores) and the answers are those
     of whole chunks."""
-    from kvpop.engine import load_learned_scorers
+    from kvpop.policies.kvpop import load_learned_scorers
     from kvpop.policies.kvpop import SCORE
 
     scorers = load_learned_scorers(tiny_onnx_model_dir)
-    config = CacheConfig(policy="kvpop", budget=24, sinks=2, scorer="mlstm")
+    config = CacheConfig(policy="kvpop", budget=24, options=dict(sinks=2, scorer="mlstm"))
     long = lambda: GenerationRequest("long", LONG_PROMPT, SamplingParams(max_tokens=6, ignore_eos=True), config)  # noqa: E731
     decoder = DecoderStep(tiny_onnx_model_dir, threads=1)
-    whole = Engine(decoder, EngineConfig(prefill_chunk=24), learned_scorers=scorers)
+    whole = Engine(decoder, EngineConfig(prefill_chunk=24), policy_assets={"kvpop": scorers})
     whole.add_request(long())
     expected = prefilled_cache(whole, "long")
-    engine = Engine(decoder, EngineConfig(max_batch_size=4, prefill_chunk=24, max_step_tokens=5), learned_scorers=scorers)
-    streams = CacheConfig(policy="streaming", budget=24, sinks=2)  # no scorer calls of their own to count
+    engine = Engine(decoder, EngineConfig(max_batch_size=4, prefill_chunk=24, max_step_tokens=5), policy_assets={"kvpop": scorers})
+    streams = CacheConfig(policy="streaming", budget=24, options=dict(sinks=2))  # no scorer calls of their own to count
     for i, prompt in enumerate(RUNNING_PROMPTS):
         engine.add_request(GenerationRequest(f"s{i}", prompt, SamplingParams(max_tokens=60, ignore_eos=True), streams))
     engine.step()

@@ -15,7 +15,7 @@ PROMPT = [0] + [int(token) for token in rng.integers(3, 250, size=79)]  # 80 tok
 
 
 def generate(engine: Engine, policy: str, max_tokens: int = 8, prompt: list[int] = PROMPT):
-    config = CacheConfig(policy=policy, budget=None if policy == "full" else 16, sinks=2, window=4)
+    config = CacheConfig(policy=policy, budget=None if policy == "full" else 16, options=dict(sinks=2, window=4))
     request = GenerationRequest(f"{policy}-{len(prompt)}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), config)
     return engine.generate([request])[0]
 
@@ -53,22 +53,22 @@ def test_a_whole_prompt_computed_in_pieces_answers_as_in_one_call(decoder):
 def test_no_warm_prefix_for_a_cache_that_prefills_whole(decoder):
     """A cold request would take prefix and rest as one chunk: no prefix state equals it."""
     engine = Engine(decoder, EngineConfig(prefill_chunk=8, whole_prompt_tokens=len(PROMPT)))
-    assert engine.warm_prefix(PROMPT[:40], CacheConfig(policy="streaming", budget=16, sinks=2, window=4)) == 0
-    assert engine.warm_prefix(PROMPT[:40], CacheConfig(policy="h2o", budget=16, sinks=2, window=4)) == 40
+    assert engine.warm_prefix(PROMPT[:40], CacheConfig(policy="streaming", budget=16, options=dict(sinks=2, window=4))) == 0
+    assert engine.warm_prefix(PROMPT[:40], CacheConfig(policy="h2o", budget=16, options=dict(sinks=2, window=4))) == 40
 
 
 def test_a_whole_prompt_prefill_says_what_it_holds_beyond_its_cache(decoder):
-    """CacheManager.prefill_slots (what admission reserves until the first token) and kv_bytes_in_use while the
+    """What admission reserves beyond the cache until the first token (`Pending.prefill_slots`) and kv_bytes_in_use while the
     prompt's pieces are staged."""
     engine = Engine(decoder, EngineConfig(prefill_chunk=8, max_step_tokens=8, whole_prompt_tokens=len(PROMPT)))
 
     def request(policy: str, prompt: list[int] = PROMPT) -> GenerationRequest:
-        config = CacheConfig(policy=policy, budget=None if policy == "full" else 16, sinks=2, window=4)
+        config = CacheConfig(policy=policy, budget=None if policy == "full" else 16, options=dict(sinks=2, window=4))
         return GenerationRequest(f"{policy}-{len(prompt)}", prompt, SamplingParams(max_tokens=4, ignore_eos=True), config)
 
-    assert engine.cache_manager.prefill_slots(request("streaming")) == len(PROMPT)
-    assert engine.cache_manager.prefill_slots(request("h2o")) == engine.cache_manager.prefill_slots(request("full")) == 0
-    assert engine.cache_manager.prefill_slots(request("streaming", PROMPT + PROMPT[1:9])) == 0  # longer: evicts while prefilling
+    assert engine.read(request("streaming")).prefill_slots == len(PROMPT)
+    assert engine.read(request("h2o")).prefill_slots == engine.read(request("full")).prefill_slots == 0
+    assert engine.read(request("streaming", PROMPT + PROMPT[1:9])).prefill_slots == 0  # longer: evicts while prefilling
     engine.add_request(request("streaming"))
     engine.step(), engine.step()  # two 8-token pieces of the 80-token chunk, staged beside the cache
     bytes_per_token = decoder.spec.kv_bytes_per_token
@@ -86,7 +86,7 @@ def test_kvpop_prompts_entering_whole_in_pieces_answer_as_in_one_call(tiny_onnx_
     budget (the pieces written into one buffer of the prompt's length), several prompts' pieces batched in
     one call, or each prompt in one call: the same tokens and the same evictions."""
     prompts = [PROMPT, PROMPT[:1] + PROMPT[5:], [0] + [int(token) for token in rng.integers(3, 250, size=71)]]
-    config = CacheConfig(policy="kvpop", budget=24, sinks=2, window=4, scorer="mlstm", query_window=8)
+    config = CacheConfig(policy="kvpop", budget=24, options=dict(sinks=2, window=4, scorer="mlstm", query_window=8))
 
     def run(**engine_config) -> list:
         engine = Engine.from_model_dir(tiny_onnx_model_dir, EngineConfig(whole_prompt_tokens=4096, **engine_config))

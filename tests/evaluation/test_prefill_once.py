@@ -80,7 +80,7 @@ def test_h2o_is_scored_on_every_prompt_query_and_tova_on_the_last(engines):
     from kvpop_eval.quality.prefill_once import branch
 
     for name, statistic in (("h2o", prompt.prompt_attention), ("tova", prompt.query_attention[:, :, -1])):
-        config = CacheConfig(policy=name, budget=30, window=4)
+        config = CacheConfig(policy=name, budget=30, options=dict(window=4))
         cache = branch(once, prompt, config, max_tokens=4)
         group = once.spec.query_heads_per_kv_head
         worth = statistic.reshape(once.spec.num_layers, once.spec.num_kv_heads, group, -1).sum(axis=2)  # (L, Hkv, P)

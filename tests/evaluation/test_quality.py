@@ -12,7 +12,7 @@ from kvpop_eval.engine_factory import build_engine, resolve_scorer
 from kvpop_eval.quality import encode, paired_counts, wilson_interval
 from kvpop_eval.quality.__main__ import main as cli_main
 from kvpop_eval.quality.harness import evaluate
-from kvpop_eval.tasks import TaskConfig, generate_task
+from kvpop_tasks import TaskConfig, generate_task
 
 
 def test_quality_harness_single_run_and_sweep(tiny_onnx_model_dir, tmp_path):
@@ -68,12 +68,12 @@ def test_shipped_scorers_keep_answers_at_88_percent_compression(reference_onnx_m
     (mlp) and 0.880 (mlstm) against the full cache's 0.905, and streaming 0.015
     (docs/QUALITY.md, the development split)."""
     engine = build_engine(reference_onnx_model_dir)
-    assert sorted(engine.learned_scorers) == ["mlp", "mlstm"]
+    assert sorted(engine.policy_assets["kvpop"]) == ["mlp", "mlstm"]
     tasks = [generate_task(TaskConfig(context_tokens=2048), "test", index).to_json() for index in range(12)]
     assert len(encode(engine.tokenizer, tasks[0]["prompt"])) == 2048
 
     def accuracy(policy: str, scorer: str = "accumulated_attention") -> float:
-        config = CacheConfig(policy=policy, compression=0.88, sinks=4, window=16, scorer=scorer)
+        config = CacheConfig(policy=policy, compression=0.88, options=dict(sinks=4, window=16, scorer=scorer))
         return evaluate(engine, tasks, config, max_tokens=64)["accuracy"]
 
     full = evaluate(engine, tasks, CacheConfig(policy="full"), max_tokens=64)["accuracy"]
@@ -90,10 +90,10 @@ def test_sweep_row_names_select_the_kvpop_variants():
     from kvpop_eval.quality.harness import policy_config
 
     default = policy_config("kvpop:mlstm", 0.88)
-    assert (default.scorer, default.query_window, default.span_pooling) == ("mlstm", None, None)
-    assert policy_config("kvpop:mlstm+noquery", 0.88).query_window == 0
+    assert (default.options.scorer, default.options.query_window, default.options.span_pooling) == ("mlstm", None, None)
+    assert policy_config("kvpop:mlstm+noquery", 0.88).options.query_window == 0
     forced = policy_config("kvpop:mlstm+query", 0.88)
-    assert (forced.query_window, forced.span_pooling) == (query.WINDOW, query.SPAN_POOLING)
-    assert policy_config("streaming", 0.88).query_window is None
+    assert (forced.options.query_window, forced.options.span_pooling) == (query.WINDOW, query.SPAN_POOLING)
+    assert not hasattr(policy_config("streaming", 0.88).options, "query_window")
     with pytest.raises(ValueError, match="variant"):
         policy_config("kvpop:mlstm+lines", 0.88)

@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from kvpop_eval.tasks import TaskConfig, accuracy, exact_match, extract_final_answer, generate_split, generate_task
-from kvpop_eval.tasks.__main__ import main as cli_main
-from kvpop_eval.tasks.generator import SPLITS, task_seed
-from kvpop_eval.tasks.language import WORDS
-from kvpop_eval.tasks.solver import asked_name, parse_definitions, solve
+from kvpop_tasks import TaskConfig, accuracy, exact_match, extract_final_answer, generate_split, generate_task
+from kvpop_tasks.__main__ import main as cli_main
+from kvpop_tasks.generator import SPLITS, task_seed
+from kvpop_tasks.language import WORDS
+from kvpop_tasks.solver import asked_name, parse_definitions, solve
 from kvpop_train.reference.drills import _SEED_BASE as DRILL_SEED_BASE
 
 CONFIGS = [

@@ -11,7 +11,8 @@ import pytest
 
 from kvpop.cache import SlotCache
 from kvpop.model_spec import ModelSpec
-from kvpop.policies import POLICIES, AccumulatedAttentionScorer, make_policy
+from kvpop.policies import POLICIES, make_policy
+from kvpop.policies.kvpop import AccumulatedAttentionScorer
 
 SPEC = ModelSpec("LlamaForCausalLM", num_layers=1, num_attention_heads=4, num_kv_heads=2, head_dim=4,
                  vocab_size=16, dtype="float32", max_position_embeddings=4096)
@@ -116,7 +117,9 @@ def test_unknown_policy_and_scorer_name_the_registered_ones():
     with pytest.raises(ValueError, match="registered: full, streaming"):
         make_policy("lru")
     with pytest.raises(ValueError, match="accumulated_attention"):
-        make_policy("kvpop", scorer="mlp")
+        make_policy("kvpop", scorer="lstm")
+    with pytest.raises(ValueError, match="no learned kvpop scorer 'mlp'"):
+        make_policy("kvpop", scorer="mlp")  # a learned kind: the model's assets have none
 
 
 class _WindowedScorer(AccumulatedAttentionScorer):
@@ -132,13 +135,12 @@ def test_a_learned_scorer_is_a_kvpop_only_option():
     assert KINDS is LEARNED_SCORER_KINDS  # one definition
     learned = {"mlstm": _WindowedScorer()}
     for policy in ("h2o", "tova", "streaming", "random"):
-        config = CacheConfig(policy, budget=100, scorer="mlstm")
-        assert config.learned_scorer is None
-        built = config.build_policy(learned)
+        config = CacheConfig(policy, budget=100, options=dict(scorer="mlstm"))
+        built = config.build_policy({"kvpop": learned})
         assert getattr(built, "window", 64) == 64 and not hasattr(built, "scorer")
         assert config.build_policy({}) == built  # needs no learned scorer either
-    kvpop = CacheConfig("kvpop", budget=100, scorer="mlstm")
-    assert kvpop.learned_scorer == "mlstm" and kvpop.build_policy(learned).window == 16
+    kvpop = CacheConfig("kvpop", budget=100, options=dict(scorer="mlstm"))
+    assert kvpop.build_policy({"kvpop": learned}).window == 16
     with pytest.raises(ValueError, match="no learned kvpop scorer 'mlstm'"):
         kvpop.build_policy({})
 

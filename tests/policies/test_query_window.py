@@ -34,7 +34,7 @@ def run(model_dir, monkeypatch, query_window: int, prefill_chunk: int = 16, prom
 
     monkeypatch.setitem(policies.POLICIES, "kvpop", RecordingKVpop)
     RecordingKVpop.seen = []
-    cache = CacheConfig(policy="kvpop", budget=budget, sinks=2, window=4, scorer="mlstm", query_window=query_window)
+    cache = CacheConfig(policy="kvpop", budget=budget, options=dict(sinks=2, window=4, scorer="mlstm", query_window=query_window))
     engine = Engine.from_model_dir(model_dir, EngineConfig(prefill_chunk=prefill_chunk, whole_prompt_tokens=4096))
     result = engine.generate([GenerationRequest("q", list(prompt), SamplingParams(max_tokens=4, ignore_eos=True), cache)])[0]
     return result, RecordingKVpop.seen
@@ -156,19 +156,19 @@ def test_retrieval_heads_ship_beside_the_scorer(tiny_onnx_model_dir, tmp_path):
     shutil.copytree(tiny_onnx_model_dir, model_dir)
     (model_dir / RETRIEVAL_HEADS_FILE).unlink(missing_ok=True)
     without = {"mlstm": LearnedScorer.load(model_dir, "mlstm")}
-    default = make_policy("kvpop", without, scorer="mlstm")
+    default = make_policy("kvpop", None, {"kvpop": without}, scorer="mlstm")
     assert (default.query_window, default.span_pooling) == (0, without["mlstm"].span_pooling)
-    assert make_policy("kvpop", without, scorer="mlstm", query_window=4).query_heads == "head"
+    assert make_policy("kvpop", None, {"kvpop": without}, scorer="mlstm", query_window=4).query_heads == "head"
     with pytest.raises(ValueError, match="retrieval"):
-        make_policy("kvpop", without, scorer="mlstm", query_window=4, query_heads="retrieval")
+        make_policy("kvpop", None, {"kvpop": without}, scorer="mlstm", query_window=4, query_heads="retrieval")
     (model_dir / RETRIEVAL_HEADS_FILE).write_text(json.dumps({"heads": [[1, 0], [0, 1]]}))
     scorer = LearnedScorer.load(model_dir, "mlstm")
     assert scorer.retrieval_heads.tolist() == [[1, 0], [0, 1]]
-    assert make_policy("kvpop", {"mlstm": scorer}, scorer="mlstm", query_window=4).query_heads == "retrieval"
-    default = make_policy("kvpop", {"mlstm": scorer}, scorer="mlstm")
+    assert make_policy("kvpop", None, {"kvpop": {"mlstm": scorer}}, scorer="mlstm", query_window=4).query_heads == "retrieval"
+    default = make_policy("kvpop", None, {"kvpop": {"mlstm": scorer}}, scorer="mlstm")
     sentences = query.SPAN_POOLING if scorer.shared_ranking else ""  # spans need one model-wide ranking
     assert (default.query_window, default.span_pooling, default.query_heads) == (query.WINDOW, sentences, "retrieval")
-    assert make_policy("kvpop", {"mlstm": scorer}, scorer="mlstm", query_window=0).query_window == 0  # off on request
+    assert make_policy("kvpop", None, {"kvpop": {"mlstm": scorer}}, scorer="mlstm", query_window=0).query_window == 0  # off on request
     (model_dir / RETRIEVAL_HEADS_FILE).write_text(json.dumps({"heads": [[99, 0]]}))
     with pytest.raises(ValueError, match="outside"):
         LearnedScorer.load(model_dir, "mlstm")

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from kvpop.decoder import DecoderStep
-from kvpop.engine import Engine, EngineConfig, load_learned_scorers
+from kvpop.engine import Engine, EngineConfig
+from kvpop.policies.kvpop import load_learned_scorers
 from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
 from kvpop.policies.kvpop import SCORE
 from kvpop.policies.kvpop.runtime import LearnedScorer
@@ -71,8 +72,8 @@ def request(name: str, prompt: list[int], max_tokens: int, config: CacheConfig) 
 @pytest.mark.parametrize("kind", ["mlstm", "mlp"])
 def test_a_cache_that_never_evicts_never_runs_the_scorer(decoder, scorers, kind, monkeypatch):
     calls = count_scorer_calls(scorers[kind], monkeypatch)
-    config = CacheConfig(policy="kvpop", budget=64, sinks=2, scorer=kind)  # 48 + 12 tokens fit
-    output, position, score = run(Engine(decoder, EngineConfig(prefill_chunk=16), learned_scorers=scorers), [request("a", PROMPT, 12, config)], "a")
+    config = CacheConfig(policy="kvpop", budget=64, options=dict(sinks=2, scorer=kind))  # 48 + 12 tokens fit
+    output, position, score = run(Engine(decoder, EngineConfig(prefill_chunk=16), policy_assets={"kvpop": scorers}), [request("a", PROMPT, 12, config)], "a")
     full = Engine(decoder, EngineConfig(prefill_chunk=16)).generate([request("f", PROMPT, 12, CacheConfig(policy="full"))])[0]
     assert calls == []
     assert output == full.output_ids
@@ -84,10 +85,10 @@ def test_no_long_range_slot_means_streaming_and_no_scorer_call(decoder, scorers,
     window = scorers[kind].window
     calls = count_scorer_calls(scorers[kind], monkeypatch)
     budget = 2 + window  # sinks + the scorer's window: nothing is kept by score
-    kvpop = run(Engine(decoder, EngineConfig(prefill_chunk=16), learned_scorers=scorers),
-                [request("k", PROMPT, 20, CacheConfig(policy="kvpop", budget=budget, sinks=2, scorer=kind))], "k")
+    kvpop = run(Engine(decoder, EngineConfig(prefill_chunk=16), policy_assets={"kvpop": scorers}),
+                [request("k", PROMPT, 20, CacheConfig(policy="kvpop", budget=budget, options=dict(sinks=2, scorer=kind)))], "k")
     streaming = run(Engine(decoder, EngineConfig(prefill_chunk=16)),
-                    [request("s", PROMPT, 20, CacheConfig(policy="streaming", budget=budget, sinks=2))], "s")
+                    [request("s", PROMPT, 20, CacheConfig(policy="streaming", budget=budget, options=dict(sinks=2)))], "s")
     assert calls == []
     assert kvpop[0] == streaming[0]
     np.testing.assert_array_equal(kvpop[1], streaming[1])
@@ -106,10 +107,10 @@ FIRST_EVICTION = {
 @pytest.mark.parametrize("where", list(FIRST_EVICTION))
 def test_a_scorer_catching_up_decides_as_one_that_kept_pace(decoder, scorers, kind, where):
     case = FIRST_EVICTION[where]
-    config = CacheConfig(policy="kvpop", budget=case["budget"], sinks=2, scorer=kind)
+    config = CacheConfig(policy="kvpop", budget=case["budget"], options=dict(sinks=2, scorer=kind))
 
     def outcome(learned_scorers):
-        engine = Engine(decoder, EngineConfig(max_batch_size=4, prefill_chunk=case["prefill_chunk"], max_step_tokens=case["max_step_tokens"]), learned_scorers=learned_scorers)
+        engine = Engine(decoder, EngineConfig(max_batch_size=4, prefill_chunk=case["prefill_chunk"], max_step_tokens=case["max_step_tokens"]), policy_assets={"kvpop": learned_scorers})
         running = [request(f"s{i}", prompt, 40, config) for i, prompt in enumerate(RUNNING_PROMPTS)] if case["running"] else []
         for stream in running:
             engine.add_request(stream)

@@ -79,7 +79,7 @@ def test_line_break_table_marks_the_tokens_holding_a_newline():
 def line_scorer_dir(tiny_hf_model_dir, tmp_path_factory, request):
     """The tiny model's trained mLSTM scorer as one shared ranking, pooled by line, exported."""
     from kvpop_train.scorer.network import Scorer, load_scorer
-    from kvpop_train.scorer.onnx_export import export_scorer
+    from export.scorer_onnx import export_scorer
 
     trained = load_scorer(tiny_hf_model_dir / "scorer" / "scorer_mlstm.pt")
     pooled = Scorer(dataclasses.replace(trained.config, shared_ranking=True, span_pooling=request.param)).eval()
@@ -155,7 +155,7 @@ def test_engine_pools_lines_alike_in_the_decode_batch_and_one_by_one(tiny_onnx_m
     scorers = {"mlstm": LearnedScorer.load(line_scorer_dir, "mlstm")}
     lines = [f"line {i}: the value of item {i} is {i * 37 % 101}.\n" for i in range(12)]
     prompts = [tokenizer.encode("".join(lines[i:] + lines[:i]), add_special_tokens=False) for i in range(3)]
-    config = CacheConfig(policy="kvpop", budget=40, sinks=2, scorer="mlstm")
+    config = CacheConfig(policy="kvpop", budget=40, options=dict(sinks=2, scorer="mlstm"))
     batched_while_prompt_leaves = []
     decodes_in_batch = KVpopPolicy.decodes_in_batch
 
@@ -166,7 +166,7 @@ def test_engine_pools_lines_alike_in_the_decode_batch_and_one_by_one(tiny_onnx_m
         return in_batch
 
     def run(batch: list[int]) -> dict[int, list[int]]:
-        engine = Engine(decoder, EngineConfig(prefill_chunk=32), tokenizer=tokenizer, learned_scorers=scorers)
+        engine = Engine(decoder, EngineConfig(prefill_chunk=32), tokenizer=tokenizer, policy_assets={"kvpop": scorers})
         requests = [GenerationRequest(f"r{i}", prompts[i], SamplingParams(max_tokens=24, ignore_eos=True), config) for i in batch]
         return {int(result.request_id[1:]): result.output_ids for result in engine.generate(requests)}
 

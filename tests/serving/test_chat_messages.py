@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from kvpop.serving.chat import FALLBACK_CHAT_TEMPLATE, InvalidMessagesError, parse_messages, render_chat
-from kvpop.serving.config import ServiceConfig
-from kvpop.serving.request import InvalidRequestError, parse_request
+from kvpop.serving.kvpop_engine.chat import FALLBACK_CHAT_TEMPLATE, InvalidMessagesError, parse_messages, render_chat
+from kvpop.serving.kvpop_engine.config import ServiceConfig
+from kvpop.serving.kvpop_engine.parse import InvalidRequestError, parse_request
 
 CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from kvpop.serving.ports import PortInUseError, check_ports
-from kvpop.serving.process import free_port
+from kvpop.serving.process.ports import PortInUseError, check_ports
+from kvpop.serving.process.tritonserver import free_port
 
 
 @pytest.fixture
@@ -43,7 +43,7 @@ def test_the_launcher_stops_at_a_taken_port_before_starting_anything(tmp_path, h
     (repository / "kvpop_engine" / "1").mkdir(parents=True)
     (repository / "kvpop_engine" / "1" / "model_spec.json").write_text("{}")  # an export is there
     ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port(), "health": free_port(), "openai": held_port}
-    command = [sys.executable, "-m", "kvpop.serving.launcher", f"--model-repository={repository}", "--address=127.0.0.1",
+    command = [sys.executable, "-m", "kvpop.serving.process.launcher", f"--model-repository={repository}", "--address=127.0.0.1",
                f"--log-file={tmp_path / 'run' / 'tritonserver.log'}", f"--state-dir={tmp_path / 'state'}",
                *(f"--{name}-port={port}" for name, port in ports.items())]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)

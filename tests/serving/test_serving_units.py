@@ -1,4 +1,4 @@
-"""The serving layer without Triton: request parsing, KV-pool admission, streaming detokenization."""
+"""The serving layer without Triton: request parsing, the engine's KV-pool admission, streaming detokenization."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
 from kvpop.model_spec import ModelSpec
 from kvpop.cache.manager import CacheManager
 from kvpop.cache.reservations import KVReservations
-from kvpop.serving.admission import AdmissionPolicy, KVPoolAdmission
-from kvpop.serving.config import ServiceConfig
-from kvpop.serving.request import InvalidRequestError, parse_parameters, parse_request
+from kvpop.engine.admission import AdmissionPolicy, Pending, WaitingQueue
+from kvpop.serving.kvpop_engine.config import ServiceConfig
+from kvpop.serving.kvpop_engine.parse import InvalidRequestError, parse_parameters, parse_request
 
 SPEC = ModelSpec("LlamaForCausalLM", num_layers=2, num_attention_heads=4, num_kv_heads=2, head_dim=16,
                  vocab_size=320, dtype="float32", max_position_embeddings=4096)  # 512 bytes per slot
@@ -23,36 +23,47 @@ def request(policy="full", budget=None, prompt=40, max_tokens=2000, request_id="
                              CacheConfig(policy, budget=budget))
 
 
+def pending(request: GenerationRequest, prefill_slots: int = 0) -> Pending:
+    """The request as the engine reads it (kvpop.engine.Engine.read): its budget resolved once."""
+    budget = request.cache.resolve_budget(len(request.prompt_ids), request.sampling.max_tokens)
+    return Pending(request, request.cache.build_policy(), budget, prefill_slots)
+
+
 class Pool:
-    """Admission over a cache manager whose KV pool holds `slots` slots per head (what the worker pairs)."""
+    """The engine's admission over a cache manager whose KV pool holds `slots` slots per head."""
 
     def __init__(self, slots: int, floor: int = 64, queue: int = 2) -> None:
         self.manager = CacheManager(SPEC, reservations=KVReservations(slots * SPEC.kv_bytes_per_token, SPEC))
-        self.admission = KVPoolAdmission(AdmissionPolicy(floor, queue))
+        self.admission = WaitingQueue(self.manager, AdmissionPolicy(floor, queue))
 
-    def try_admit(self, request: GenerationRequest, prefill_slots: int = 0):
-        return self.admission.try_admit(self.manager, request, prefill_slots)
+    def try_admit(self, request: GenerationRequest, prefill_slots: int = 0) -> Pending | None:
+        admitted = pending(request, prefill_slots)
+        return admitted if self.admission.reserve(admitted) else None
 
     def fits_when_idle(self, request: GenerationRequest) -> bool:
-        return self.admission.fits_when_idle(self.manager, request)
+        try:
+            self.admission.check_fits(pending(request))
+        except ValueError:
+            return False
+        return True
 
 
 def test_admission_reserves_the_padded_batch_pool():
     pool = Pool(slots=1024)
-    assert pool.try_admit(request("streaming", 256, request_id="a")).slots == 256
-    assert pool.try_admit(request("streaming", 256, request_id="b")).slots == 256
+    assert pool.try_admit(request("streaming", 256, request_id="a")).storage_slots == 256
+    assert pool.try_admit(request("streaming", 256, request_id="b")).storage_slots == 256
     assert pool.manager.reserved_bytes == 2 * 256 * 512
     # A third sequence of 320 slots pads every row to 320 (3 x 320 = 960 <= 1024) ...
-    assert pool.try_admit(request("h2o", 320, request_id="c")).slots == 320
+    assert pool.try_admit(request("h2o", 320, request_id="c")).storage_slots == 320
     # ... and a fourth of 64 would need 4 x 320 slots: it may not be degraded below 64, so it waits.
     assert pool.try_admit(request("tova", 64, request_id="d")) is None
     pool.manager.release("c")
-    assert pool.try_admit(request("tova", 64, request_id="d")).slots == 64
+    assert pool.try_admit(request("tova", 64, request_id="d")).storage_slots == 64
 
 
 def test_full_cache_needs_prompt_plus_max_tokens_and_is_never_degraded():
     pool = Pool(slots=256)
-    assert pool.manager.slots_needed(request("full", prompt=100, max_tokens=100)) == 256  # 200 rounded up to blocks
+    assert pending(request("full", prompt=100, max_tokens=100)).storage_slots == 256  # 200 rounded up to blocks
     assert pool.try_admit(request("full", prompt=100, max_tokens=100, request_id="a")) is not None
     assert pool.try_admit(request("full", prompt=10, max_tokens=10, request_id="b")) is None
     assert not pool.fits_when_idle(request("full", prompt=300, max_tokens=10))
@@ -69,7 +80,7 @@ def test_a_tight_pool_degrades_bounded_requests_down_to_the_floor():
     pool = Pool(slots=2048, floor=256)
     pool.try_admit(request("streaming", 1024, request_id="holder"))
     degraded = pool.try_admit(request("kvpop", 1500, request_id="big"))
-    assert degraded.degraded_from == 1500 and degraded.request.cache.budget == 1024
+    assert degraded.degraded_from == 1500 and degraded.budget == 1024
     assert pool.try_admit(request("kvpop", 1500, request_id="another")) is None  # would fall below the floor
 
 
@@ -78,20 +89,20 @@ def test_admission_respects_what_the_engine_really_holds():
     pool.manager.reservations.in_use_bytes = 1000 * SPEC.kv_bytes_per_token  # finished rows not repacked away yet
     assert pool.try_admit(request("streaming", 256)) is None
     pool.manager.reservations.in_use_bytes = 900 * SPEC.kv_bytes_per_token
-    assert pool.try_admit(request("streaming", 256, request_id="a")).slots == 64  # degraded to fit beside them
+    assert pool.try_admit(request("streaming", 256, request_id="a")).storage_slots == 64  # degraded to fit beside them
     pool.manager.observe_in_use()  # the manager itself holds nothing
-    assert pool.try_admit(request("streaming", 256, request_id="b")).slots == 256
+    assert pool.try_admit(request("streaming", 256, request_id="b")).storage_slots == 256
 
 
 def test_a_whole_prompt_prefill_is_reserved_until_its_first_token():
     pool = Pool(slots=2048)
     alone = pool.try_admit(request("kvpop", 128, prompt=900, request_id="a"), prefill_slots=900)
-    assert alone.slots == 128 and pool.manager.reserved_bytes == (128 + 900) * 512  # alone: admitted, its prompt counted
+    assert alone.storage_slots == 128 and pool.manager.reserved_bytes == (128 + 900) * 512  # alone: admitted, its prompt counted
     # A second long prompt prefilling at the same time would not fit beside it, at any budget: it waits.
     assert pool.try_admit(request("kvpop", 128, prompt=900, request_id="b"), prefill_slots=900) is None
     pool.manager.prefill_done("a")  # a's first token: only its budget is held now
     assert pool.manager.reserved_bytes == 128 * 512
-    assert pool.try_admit(request("kvpop", 128, prompt=900, request_id="b"), prefill_slots=900).slots == 128
+    assert pool.try_admit(request("kvpop", 128, prompt=900, request_id="b"), prefill_slots=900).storage_slots == 128
     pool.manager.release("b")  # finished or failed before its first token: the prompt's reservation goes too
     assert pool.manager.reserved_bytes == 128 * 512
 
@@ -201,7 +212,7 @@ def test_the_serving_runtime_imports_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys, kvpop.serving.service, kvpop.serving.worker, kvpop.serving.metrics, kvpop.policies.kvpop.runtime; "
+    code = ("import sys, kvpop.serving.kvpop_engine.model, kvpop.serving.kvpop_engine.worker, kvpop.serving.kvpop_engine.metrics, kvpop.policies.kvpop.runtime; "
             "print('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
 
@@ -219,7 +230,7 @@ def test_error_tags_keep_their_kind_through_a_message():
 
 
 def test_front_end_splits_a_batch_and_types_its_parameters():
-    from kvpop.serving.frontend import engine_prompts
+    from kvpop.serving.kvpop_service.frontend import engine_prompts
 
     dtypes = {"text_input": np.dtype(object), "temperature": np.dtype(np.float32), "kv_budget": np.dtype(np.int32),
               "eviction_policy": np.dtype(object), "stop": np.dtype(object)}
@@ -244,7 +255,7 @@ def test_front_end_splits_a_batch_and_types_its_parameters():
     ({}, {}, "send text_input"),
 ])
 def test_front_end_refuses_what_it_cannot_forward(inputs, parameters, message):
-    from kvpop.serving.frontend import engine_prompts
+    from kvpop.serving.kvpop_service.frontend import engine_prompts
 
     dtypes = {"kv_budget": np.dtype(np.int32), "temperature": np.dtype(np.float32)}
     with pytest.raises(InvalidRequestError, match=message):
@@ -252,7 +263,7 @@ def test_front_end_refuses_what_it_cannot_forward(inputs, parameters, message):
 
 
 def test_batched_answers_are_padded_to_the_longest():
-    from kvpop.serving.forwarder import PAD_TOKEN_ID, merge_answers
+    from kvpop.serving.kvpop_service.forwarder import PAD_TOKEN_ID, merge_answers
 
     merged = merge_answers([{"output_ids": np.array([[1, 2, 3]]), "num_output_tokens": np.array([[3]])},
                             {"output_ids": np.array([[4]]), "num_output_tokens": np.array([[1]])}])
@@ -314,17 +325,22 @@ def test_unsupported_tool_settings_are_refused(tokenizer, tensors, message):
 def test_query_aware_kvpop_is_a_service_parameter():
     """kvpop_query_window / kvpop_span_pooling reach every kvpop request's cache (and only kvpop's); bad
     values fail at load with the parameter's name."""
-    from kvpop.serving.request import request_cache_config
+    from kvpop.policies import policy_defaults
+    from kvpop.serving.kvpop_engine.parse import request_cache_config
 
-    config = ServiceConfig(kvpop_query_window="32", kvpop_span_pooling="sentence_contrast")
-    kvpop = request_cache_config("kvpop", None, 0.88, config, "mlstm")
-    assert (kvpop.query_window, kvpop.span_pooling) == (32, "sentence_contrast")
-    stand_in = request_cache_config("kvpop", None, 0.88, config, "accumulated_attention")  # ranks no spans
-    assert (stand_in.query_window, stand_in.span_pooling) == (32, None)
-    streaming = request_cache_config("streaming", 64, None, config, "accumulated_attention")
-    assert (streaming.query_window, streaming.span_pooling) == (None, None)
-    default = request_cache_config("kvpop", 64, None, ServiceConfig(), "mlstm")
+    def parameters(**values):
+        return {"parameters": {key: {"string_value": value} for key, value in values.items()}}
+
+    config = ServiceConfig.from_model_config(parameters(kvpop_query_window="32", kvpop_span_pooling="sentence_contrast"))
+    learned = {"kvpop": {"mlstm": object()}}  # a model that ships the learned mLSTM scorer (auto picks it)
+    kvpop = request_cache_config("kvpop", None, 0.88, config, policy_defaults(config.policy_settings, learned)).options
+    assert (kvpop.scorer, kvpop.query_window, kvpop.span_pooling) == ("mlstm", 32, "sentence_contrast")
+    stand_in = request_cache_config("kvpop", None, 0.88, config).options  # no learned scorer: the stand-in ranks no spans
+    assert (stand_in.scorer, stand_in.query_window, stand_in.span_pooling) == ("accumulated_attention", 32, None)
+    streaming = request_cache_config("streaming", 64, None, config).options
+    assert not hasattr(streaming, "query_window") and not hasattr(streaming, "span_pooling")
+    default = request_cache_config("kvpop", 64, None, ServiceConfig(), policy_defaults(ServiceConfig().policy_settings, learned)).options
     assert (default.query_window, default.span_pooling) == (None, None)  # auto: the policy's default (the scorer's model)
     for bad in ({"kvpop_query_window": "-1"}, {"kvpop_query_window": "half"}, {"kvpop_span_pooling": "paragraph"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
-            ServiceConfig(**bad)
+            ServiceConfig.from_model_config(parameters(**bad))

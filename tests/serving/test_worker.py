@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -13,10 +14,10 @@ from kvpop.engine import Engine, EngineConfig
 from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
 from kvpop.model_spec import ModelSpec
 from kvpop.cache.reservations import KVReservations
-from kvpop.serving.admission import AdmissionPolicy, KVPoolAdmission, OverloadedError
-from kvpop.serving.metrics import NullMetrics, SequenceCounts
-from kvpop.serving.request import ParsedRequest
-from kvpop.serving.worker import EngineWorker
+from kvpop.engine.admission import OverloadedError
+from kvpop.serving.kvpop_engine.metrics import NullMetrics, SequenceCounts
+from kvpop.serving.kvpop_engine.parse import ParsedRequest
+from kvpop.serving.kvpop_engine.worker import EngineWorker
 
 
 class ListChannel:
@@ -52,8 +53,8 @@ def worker(tiny_onnx_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_onnx_model_dir / "tokenizer")
     spec = ModelSpec.load(tiny_onnx_model_dir)
     pool = KVReservations(1024 * spec.kv_bytes_per_token, spec)
-    worker = EngineWorker(lambda: Engine(decoder, tokenizer=tokenizer, reservations=pool), tokenizer,
-                          KVPoolAdmission(AdmissionPolicy(64, 1)), idle_wait=0.01).start()
+    config = EngineConfig(min_kv_budget=64, max_queue_size=1)
+    worker = EngineWorker(lambda: Engine(decoder, config, tokenizer=tokenizer, reservations=pool), tokenizer, idle_wait=0.01).start()
     yield worker
     worker.stop()
 
@@ -167,7 +168,7 @@ def test_a_prompt_fed_in_several_chunks_never_waits_idle(tiny_onnx_model_dir, mo
     one wait per chunk: most of its time to first token through the server)."""
     from transformers import AutoTokenizer
 
-    from kvpop.serving import worker as worker_module
+    from kvpop.serving.kvpop_engine import worker as worker_module
 
     decoder = DecoderStep(tiny_onnx_model_dir)
     tokenizer = AutoTokenizer.from_pretrained(tiny_onnx_model_dir / "tokenizer")
@@ -177,8 +178,8 @@ def test_a_prompt_fed_in_several_chunks_never_waits_idle(tiny_onnx_model_dir, mo
     real_sleep = time.sleep
     monkeypatch.setattr(worker_module.time, "sleep", lambda seconds: (idle_waits.append(seconds), real_sleep(seconds)))
     worker = EngineWorker(
-        lambda: Engine(decoder, EngineConfig(prefill_chunk=8), tokenizer=tokenizer, reservations=pool), tokenizer,
-        KVPoolAdmission(AdmissionPolicy(64, 1)), idle_wait=0.01
+        lambda: Engine(decoder, EngineConfig(prefill_chunk=8, min_kv_budget=64, max_queue_size=1), tokenizer=tokenizer,
+                       reservations=pool), tokenizer, idle_wait=0.01
     ).start()
     try:
         channel = ListChannel()
@@ -197,8 +198,9 @@ def make_worker(model_dir, config: EngineConfig, slots: int, max_queue_size: int
     decoder = DecoderStep(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer")
     pool = KVReservations(slots * ModelSpec.load(model_dir).kv_bytes_per_token, ModelSpec.load(model_dir))
-    return EngineWorker(lambda: Engine(decoder, config, tokenizer=tokenizer, reservations=pool), tokenizer,
-                        KVPoolAdmission(AdmissionPolicy(64, max_queue_size)), metrics, idle_wait=0.01).start()
+    config = replace(config, min_kv_budget=64, max_queue_size=max_queue_size)
+    return EngineWorker(lambda: Engine(decoder, config, tokenizer=tokenizer, reservations=pool), tokenizer, metrics,
+                        idle_wait=0.01).start()
 
 
 def test_a_queued_request_whose_client_left_is_dropped_wherever_it_waits(tiny_onnx_model_dir):
@@ -247,3 +249,49 @@ def test_the_sequence_gauges_count_the_running_batch_and_the_waiting_apart(tiny_
     assert all(counts.active == counts.prefilling + counts.decoding <= 2 for counts in metrics.steps)
     assert max(counts.queued + counts.active for counts in metrics.steps) == 5
     assert metrics.steps[-1] == SequenceCounts(0, 0, 0)
+
+
+class FinishedResults(NullMetrics):
+    def __init__(self) -> None:
+        self.results: dict = {}
+        self.degraded = 0
+
+    def observe_finished(self, result, latency, time_per_token, prompt_tokens) -> None:
+        self.results[result.request_id] = result
+
+    def observe_degraded(self) -> None:
+        self.degraded += 1
+
+
+def test_a_request_is_read_once_and_its_degradation_is_in_its_statistics(tiny_onnx_model_dir, monkeypatch):
+    """From the worker through a real engine, a request's budget is resolved and its policy built once: the
+    engine reads it into one object that admission, the reservation and the cache allocation share. One the
+    tight pool admits at a smaller budget reports the budget it asked for in its result."""
+    counts = {"resolve_budget": 0, "build_policy": 0}
+    for name in counts:
+        method = getattr(CacheConfig, name)
+
+        def counted(self, *args, _method=method, _name=name, **kwargs):
+            counts[_name] += 1
+            return _method(self, *args, **kwargs)
+
+        monkeypatch.setattr(CacheConfig, name, counted)
+    metrics = FinishedResults()
+    worker = make_worker(tiny_onnx_model_dir, EngineConfig(), slots=1024, max_queue_size=4, metrics=metrics)
+    try:
+        holder, squeezed = ListChannel(), ListChannel()
+        worker.submit(parsed("holder", stream=True, max_tokens=60_000, budget=512, ignore_eos=True), holder)
+        while not holder.responses:
+            time.sleep(0.01)
+        sampling = SamplingParams(max_tokens=600, ignore_eos=True)  # 620 slots asked; 512 left beside the holder
+        request = GenerationRequest("squeezed", list(range(5, 25)), sampling, CacheConfig("streaming", budget=1000))
+        worker.submit(ParsedRequest(request, stream=False), squeezed)
+        assert squeezed.done.wait(60)
+        holder.cancelled = True
+        assert holder.done.wait(10)
+    finally:
+        worker.stop()
+    result = metrics.results["squeezed"]
+    assert (result.degraded_from, result.budget, metrics.degraded) == (1000, 512, 1)
+    assert squeezed.responses[-1]["kv_budget"][0, 0] == 512
+    assert counts == {"resolve_budget": 2, "build_policy": 2}  # once per request

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from kvpop_eval.tasks import TaskConfig, generate_task
+from kvpop_tasks import TaskConfig, generate_task
 from kvpop_train.reference.batches import IGNORE, collate, encode_drill, encode_task
 from kvpop_train.reference.curriculum import STAGES, CurriculumState
 from kvpop_train.reference.drills import LookupDrill, RepeatDrill, drill_words

@@ -245,7 +245,7 @@ def test_mlstm_step_is_the_chunk_form_for_one_token():
 def test_decode_step_is_each_sequences_own_step():
     """The decode graph's module (standardisation and scales folded into its weights; B sequences in
     the token axis, each with its own state): each sequence gets exactly its forward's step."""
-    from kvpop_train.scorer.onnx_export import _DecodeStep
+    from export.scorer_onnx import _DecodeStep
 
     config = CONFIGS["mlstm"]
     torch.manual_seed(1)
@@ -298,7 +298,7 @@ def test_training_runs_and_checkpoint_roundtrips(tmp_path):
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """Both variants exported once (parity is checked by the export itself)."""
-    from kvpop_train.scorer.onnx_export import export_scorer
+    from export.scorer_onnx import export_scorer
 
     directory = tmp_path_factory.mktemp("scorer")
     torch.manual_seed(0)
@@ -349,7 +349,7 @@ def test_shared_ranking_scores_a_token_alike_in_every_cache(exported, kind, tmp_
     from kvpop.model_spec import ModelSpec
     from kvpop.policies.kvpop import KVpopPolicy
     from kvpop.policies.kvpop.runtime import LearnedScorer, ScorerRuntime
-    from kvpop_train.scorer.onnx_export import export_scorer
+    from export.scorer_onnx import export_scorer
 
     directory, scorers, _ = exported
     shared = Scorer(dataclasses.replace(CONFIGS[kind], shared_ranking=True)).eval()
@@ -469,7 +469,7 @@ def test_learned_scorer_with_attention_feature_sees_what_traces_record(tiny_hf_m
     from kvpop.model_spec import ModelSpec
     from kvpop.policies.kvpop import SCORE, KVpopPolicy
     from kvpop.policies.kvpop.runtime import LearnedScorer
-    from kvpop_train.scorer.onnx_export import export_scorer
+    from export.scorer_onnx import export_scorer
     from kvpop_train.scorer.traces import collect_traces
 
     model = AutoModelForCausalLM.from_pretrained(tiny_hf_model_dir).eval()

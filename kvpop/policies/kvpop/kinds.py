@@ -30,3 +30,9 @@ def load_learned_scorers(model_dir) -> dict:
     from kvpop.policies.kvpop.runtime import LearnedScorer, ScorerRuntime
 
     return {kind: LearnedScorer.load(model_dir, kind) for kind in ScorerRuntime.available(model_dir)}
+
+
+def requested_learned_scorer(cache) -> "str | None":
+    """The learned scorer kind a cache configuration (kvpop.request.CacheConfig) needs loaded, or None."""
+    scorer = getattr(cache.options, "scorer", None) if cache.policy == "kvpop" else None
+    return scorer if scorer in LEARNED_SCORER_KINDS else None

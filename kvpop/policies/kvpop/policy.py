@@ -17,7 +17,7 @@ and the chat header at the end of a prompt): at 94% of a 2,048-token prompt the 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -25,7 +25,8 @@ from kvpop.kvtypes import CacheUpdate, StatisticsUpdate
 from kvpop.policies.base import EvictionPolicy
 from kvpop.policies.kvpop.scorers import LeavingTokens, TokenScorer, make_scorer
 from kvpop.policies.kvpop import decode_batch, state_codec
-from kvpop.policies.kvpop.kinds import LEARNED_SCORER_KINDS, SCORE, learned_scorer
+from kvpop.policies.kvpop.kinds import LEARNED_SCORER_KINDS, SCORE, learned_scorer, load_learned_scorers
+from kvpop.policies.kvpop.settings import KVpopSettings
 from kvpop.policies.kvpop import query
 from kvpop.policies.kvpop.text_spans import TextSpans, check_span_pooling, span_ends
 
@@ -92,15 +93,27 @@ class KVpopPolicy(EvictionPolicy):
             raise ValueError(f"kvpop: span_pooling {self.span_pooling!r} needs a learned scorer with one model-wide ranking")
         check_span_pooling(self.span_pooling, shared_ranking=True)
 
+    Settings = KVpopSettings
+
     @classmethod
-    def from_options(cls, learned_scorers: dict | None, **options) -> "KVpopPolicy":
-        """A learned `scorer` kind resolves to the engine's loaded network, whose protected window (the one
-        it was trained for) replaces `window`."""
-        scorer = options.get("scorer", cls.scorer)
-        if learned_scorers is not None and isinstance(scorer, str) and scorer in LEARNED_SCORER_KINDS:
-            network = learned_scorer(scorer, learned_scorers)
-            options = {**options, "scorer": network, "window": getattr(network, "window", options.get("window", cls.window))}
-        return super().from_options(learned_scorers, **options)
+    def from_options(cls, options, assets: "dict[str, TokenScorer] | None" = None) -> "KVpopPolicy":
+        """A learned `scorer` kind resolves to the model's loaded network (`assets`: its learned scorers by
+        kind), whose protected window (the one it was trained for) replaces `window`."""
+        if isinstance(options.scorer, str) and options.scorer in LEARNED_SCORER_KINDS:
+            network = learned_scorer(options.scorer, assets or {})
+            options = replace(options, scorer=network, window=getattr(network, "window", options.window))
+        return super().from_options(options, assets)
+
+    @classmethod
+    def check_options(cls, options) -> None:
+        """A learned scorer is checked against the model that runs it (its assets); the rest here."""
+        if options.scorer not in LEARNED_SCORER_KINDS:
+            super().check_options(options)
+
+    @classmethod
+    def load_assets(cls, model_dir) -> "dict[str, TokenScorer]":
+        """The learned scorers exported beside the decoder, by kind."""
+        return load_learned_scorers(model_dir)
 
     @property
     def needs_attention(self) -> bool:
@@ -183,9 +196,9 @@ class KVpopPolicy(EvictionPolicy):
         return TextSpans.of_prompt(prompt_ids, span_ends(tokenizer, vocab_size, self.span_pooling), self.span_pooling)
 
     @classmethod
-    def prepare(cls, learned_scorers: dict, tokenizer, vocab_size: int) -> None:
+    def prepare(cls, assets: "dict[str, TokenScorer] | None", tokenizer, vocab_size: int) -> None:
         """The span-end tables now (0.13 s each for SmolLM2's 49,152 tokens), not on a request's first step."""
-        if tokenizer is not None and learned_scorers:
+        if tokenizer is not None and assets:
             for pooling in ("line", "sentence"):
                 span_ends(tokenizer, vocab_size, pooling)
 

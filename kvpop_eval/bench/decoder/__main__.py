@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 from kvpop.decoder import DecoderStep
-from kvpop.engine import load_learned_scorers
+from kvpop.policies.kvpop import load_learned_scorers
+from kvpop.policies.kvpop.kinds import requested_learned_scorer
 from kvpop.request import CacheConfig
 
 from kvpop_eval.bench import decoder as package
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     memory_configs = {"full": CacheConfig(policy="full")}
     for policy in plan["memory_policies"]:
         memory_configs[f"{policy}-{plan['memory_budget']}"] = bounded_config(policy, plan["memory_budget"])
-    kinds = {cache.learned_scorer for cache in (*configs.values(), *(memory_configs.values() if plan["memory_tokens"] else ())) if cache.learned_scorer}
+    kinds = {requested_learned_scorer(cache) for cache in (*configs.values(), *(memory_configs.values() if plan["memory_tokens"] else ()))} - {None}
     if kinds and (random_weights or args.untrained_scorers_dir):
         args.model = scratch_model_dir(args.model, args.untrained_scorers_dir or work / "scorers", kinds, args.scorer_window)
     learned_scorers = load_learned_scorers(args.model) if kinds else {}

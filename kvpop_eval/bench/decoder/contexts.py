@@ -36,7 +36,7 @@ def bounded_config(policy: str, budget: int) -> CacheConfig:
     if scorer and (policy != "kvpop" or scorer not in LEARNED_SCORER_KINDS):
         raise ValueError(f"a scorer is named as kvpop:<kind> with kind in {LEARNED_SCORER_KINDS}, got {policy}:{scorer}")
     extra = {"scorer": scorer} if scorer else {}
-    return CacheConfig(policy=policy, budget=budget, sinks=4, window=min(64, budget // 4), **extra)
+    return CacheConfig(policy=policy, budget=budget, options=dict(sinks=4, window=min(64, budget // 4), **extra))
 
 
 def cache_configs(budgets: tuple[int, ...], policies: tuple[str, ...], extra_policies: tuple[str, ...] = ()) -> dict[str, CacheConfig]:
@@ -54,7 +54,7 @@ def warm_contexts(decoder: DecoderStep, cache: CacheConfig, prompt: list[int], c
     """The cache state after each context's first tokens of `prompt`: warm prefixes of one engine,
     each prefilled from the one before (the prompt is prefilled once)."""
     prefixes = PrefixCache()
-    engine = Engine(decoder, EngineConfig(max_batch_size=1, prefill_chunk=prefill_chunk), learned_scorers=learned_scorers,
+    engine = Engine(decoder, EngineConfig(max_batch_size=1, prefill_chunk=prefill_chunk), policy_assets={"kvpop": learned_scorers},
                     prefixes=prefixes)
     for context in sorted(contexts):
         if engine.warm_prefix(prompt[:context], cache) != context:
@@ -65,7 +65,7 @@ def warm_contexts(decoder: DecoderStep, cache: CacheConfig, prompt: list[int], c
 def check_context(decoder: DecoderStep, cache: CacheConfig, prompt: list[int], state: SessionState, prefill_chunk: int,
                   learned_scorers: dict) -> float:
     """The warm prefix equals what a cold `Engine.prefill` of the same tokens leaves (max |key diff|)."""
-    engine = Engine(decoder, EngineConfig(max_batch_size=1, prefill_chunk=prefill_chunk), learned_scorers=learned_scorers)
+    engine = Engine(decoder, EngineConfig(max_batch_size=1, prefill_chunk=prefill_chunk), policy_assets={"kvpop": learned_scorers})
     theirs = engine.prefill(GenerationRequest("check", prompt[: state.tokens_seen], SamplingParams(max_tokens=1), cache)).cache
     try:
         assert state.length == theirs.length and state.tokens_seen == theirs.tokens_seen

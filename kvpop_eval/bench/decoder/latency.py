@@ -96,7 +96,7 @@ def time_point(decoder, states: dict, configs: dict, hf_model, prompt, batch: in
     context = states["full"].tokens_seen
     engines = {}
     for name, cache in configs.items():
-        engine = Engine(decoder, EngineConfig(max_batch_size=batch), learned_scorers=learned_scorers, prefixes=warm(states[name]))
+        engine = Engine(decoder, EngineConfig(max_batch_size=batch), policy_assets={"kvpop": learned_scorers}, prefixes=warm(states[name]))
         sampling = SamplingParams(max_tokens=warmup + steps + block + 2, ignore_eos=True)
         for index in range(batch):
             engine.add_request(GenerationRequest(f"b{index}", prompt[: context + 1], sampling, cache))

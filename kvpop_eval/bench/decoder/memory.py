@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 from kvpop.decoder import DecoderStep
-from kvpop.engine import Engine, EngineConfig, load_learned_scorers
+from kvpop.engine import Engine, EngineConfig, load_policy_assets
+from kvpop.policies.kvpop.kinds import requested_learned_scorer
 from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
 
 from kvpop_eval.bench.decoder.contexts import random_prompt
@@ -31,7 +32,7 @@ def _memory_worker(model_dir: str, cache: CacheConfig, tokens: int, prompt_token
     import psutil
 
     decoder = DecoderStep(Path(model_dir), threads=threads)
-    engine = Engine(decoder, EngineConfig(max_batch_size=1), learned_scorers=load_learned_scorers(Path(model_dir)) if cache.learned_scorer else None)
+    engine = Engine(decoder, EngineConfig(max_batch_size=1), policy_assets=load_policy_assets(Path(model_dir)) if requested_learned_scorer(cache) else None)
     prompt = random_prompt(decoder.spec.vocab_size, prompt_tokens)
     engine.add_request(GenerationRequest("m", prompt, SamplingParams(max_tokens=tokens, ignore_eos=True), cache))
     process, samples, generated = psutil.Process(), [], 0

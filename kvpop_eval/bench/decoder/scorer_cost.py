@@ -51,7 +51,7 @@ def scratch_model_dir(model_dir: Path, scratch: Path, kinds: set[str], window: i
         import torch
 
         from kvpop_train.scorer.network import Scorer, ScorerConfig
-        from kvpop_train.scorer.onnx_export import export_scorer
+        from export.scorer_onnx import export_scorer
 
         spec = json.loads((model_dir / "model_spec.json").read_text())
         for kind in missing:

@@ -41,7 +41,7 @@ def systems(scorers: list[str], compression: float, budget: int | None = None,
     table = {"full": (CacheConfig(policy="full"), True)}
     for kind in scorers:
         size = {"budget": budget} if budget is not None else {"compression": compression}
-        config = CacheConfig(policy="kvpop", scorer=kind, **size)
+        config = CacheConfig(policy="kvpop", **size, options=dict(scorer=kind))
         table[f"kvpop:{kind}"] = (config, True)
         table[f"kvpop:{kind} per-sequence"] = (config, False)
         if kind in query_aware:
@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     probe = build_engine(args.model)
-    query_aware = tuple(kind for kind, scorer in probe.learned_scorers.items() if scorer.retrieval_heads is not None)
-    table = systems(sorted(probe.learned_scorers), args.compression, args.budget, query_aware)
+    query_aware = tuple(kind for kind, scorer in probe.policy_assets["kvpop"].items() if scorer.retrieval_heads is not None)
+    table = systems(sorted(probe.policy_assets["kvpop"]), args.compression, args.budget, query_aware)
     engines = {}
     for name, (_, batched) in table.items():
         engines[name] = build_engine(args.model, max_batch_size=args.batch, min_bounded_chunk=args.min_chunk)

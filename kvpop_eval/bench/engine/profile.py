@@ -91,7 +91,7 @@ def instrument(engine: Engine) -> None:
         wrap(LearnedScorer, "take_piece", "    learned scorer: a piece's rows")
         wrap(query, "pick", "    the question's pick (query.pick)")
         _CLASSES_WRAPPED.append(True)
-    for scorer in engine.learned_scorers.values():
+    for scorer in engine.policy_assets.get("kvpop", {}).values():
         wrap(scorer.runtime, "step", "    learned scorer ONNX")
         wrap(scorer.runtime, "step_decode_batch", "  learned scorer decode graph (B sequences a call)")
 
@@ -105,7 +105,7 @@ KVPOP_SIZE: dict = {"compression": 0.88}
 
 
 def request(name: str, ids: list[int], policy: str, max_tokens: int) -> GenerationRequest:
-    cache = CacheConfig(policy="full") if policy == "full" else CacheConfig(policy="kvpop", scorer="mlstm", window=16, **KVPOP_SIZE)
+    cache = CacheConfig(policy="full") if policy == "full" else CacheConfig(policy="kvpop", **KVPOP_SIZE, options=dict(scorer="mlstm", window=16))
     return GenerationRequest(name, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), cache)
 
 
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-chunk", type=int, default=256)
     parser.add_argument("--policies", nargs="+", default=["full", "kvpop"])
     parser.add_argument("--prefill-pacing", type=float, default=0.0,
-                        help="the service's prefill_pacing (kvpop.prefill_pacer); 0: one chunk per step")
+                        help="the service's prefill_pacing (kvpop.engine.prefill_pacer); 0: one chunk per step")
     parser.add_argument("--reason-tokens", type=int, default=0,
                         help="also run --reason-streams prompts of 512 tokens with this many output tokens each (workload (b))")
     parser.add_argument("--reason-streams", type=int, default=8, help="sequences of the reasoning scenario")

@@ -43,7 +43,7 @@ def engine_steady(model: Path, budget: int, streams: int, prompt_tokens: int, fi
     for index in range(streams):
         engine.add_request(GenerationRequest(
             f"steady{index}", prompt(rng, prompt_tokens, engine.spec.vocab_size),
-            SamplingParams(max_tokens=fill + steps + 1, ignore_eos=True), CacheConfig("kvpop", budget=budget, scorer=scorer),
+            SamplingParams(max_tokens=fill + steps + 1, ignore_eos=True), CacheConfig("kvpop", budget=budget, options=dict(scorer=scorer)),
         ))
     for step in range(fill):
         engine.step()

@@ -1,8 +1,8 @@
 """Triton Python-backend adapter for the KVpop engine: lifecycle and Triton types only.
 
 Decoupled: `execute` parses and queues each request and returns at once; the engine worker thread
-(kvpop.serving.worker) answers through each request's response sender, token by token when the
-request asks to stream. Parsing, admission, batching and metrics live in `kvpop.serving`.
+(kvpop.serving.kvpop_engine.worker) answers through each request's response sender, token by token when the
+request asks to stream. Parsing and the engine thread live in `kvpop.serving.kvpop_engine`; admission and batching in the engine (`kvpop.engine`).
 """
 
 import json
@@ -10,15 +10,15 @@ from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
-from kvpop.serving.admission import OverloadedError
-from kvpop.serving.config import ServiceConfig
+from kvpop.engine.admission import OverloadedError
 from kvpop.serving.contract import ErrorKind
-from kvpop.serving.errors import tagged
-from kvpop.serving.metrics import ServiceMetrics
-from kvpop.serving.request import InvalidRequestError, parse_parameters
-from kvpop.serving.service import KVpopService, Placement
-from kvpop.serving.state_dir import model_state_dir
-from kvpop.serving.stubs import exit_with_server
+from kvpop.serving.errors import InvalidRequestError, tagged
+from kvpop.serving.kvpop_engine.config import ServiceConfig
+from kvpop.serving.kvpop_engine.metrics import ServiceMetrics
+from kvpop.serving.kvpop_engine.model import KVpopEngineModel, Placement
+from kvpop.serving.kvpop_engine.parse import parse_parameters
+from kvpop.serving.process.state_dir import model_state_dir
+from kvpop.serving.process.stubs import exit_with_server
 
 
 def error_code(kind):
@@ -67,10 +67,10 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(f"no exported model in {version_dir}: run `make export`")
         placement = Placement.from_triton_args(args)
         metrics = ServiceMetrics(
-            pb_utils, args["model_name"], placement.label, config.kv_pool_mb * 2**20, KVpopService.policies()
+            pb_utils, args["model_name"], placement.label, config.kv_pool_bytes, KVpopEngineModel.policies()
         )
         try:
-            self.service = KVpopService(version_dir, config, placement, metrics, model_state_dir(args["model_name"]))
+            self.service = KVpopEngineModel(version_dir, config, placement, metrics, model_state_dir(args["model_name"]))
         except ValueError as error:
             raise pb_utils.TritonModelException(f"{args['model_name']}: {error}") from None
         self.metrics = metrics

@@ -2,7 +2,7 @@
 
 HTTP /infer cannot reach a decoupled model, so each request is forwarded to the decoupled
 `kvpop_engine` (the one place that holds weights and KV memory) over a loopback gRPC stream per
-prompt, and answered as soon as its own generation ends (kvpop.serving.forwarder says why not BLS).
+prompt, and answered as soon as its own generation ends (kvpop.serving.kvpop_service.forwarder says why not BLS).
 `execute` copies the inputs and returns at once; the engine batches all requests in flight. A watcher
 thread notices clients that went away and cancels their engine streams.
 """
@@ -17,12 +17,12 @@ import triton_python_backend_utils as pb_utils
 
 # Light imports only: this model holds no weights.
 from kvpop.serving.contract import ErrorKind
-from kvpop.serving.drain import DrainSignal
-from kvpop.serving.errors import tagged
-from kvpop.serving.forwarder import EngineForwarder, ForwardError, ForwardJob
-from kvpop.serving.frontend import engine_prompts
-from kvpop.serving.request import InvalidRequestError, parse_parameters
-from kvpop.serving.stubs import exit_with_server
+from kvpop.serving.errors import InvalidRequestError, tagged
+from kvpop.serving.kvpop_engine.parse import parse_parameters
+from kvpop.serving.kvpop_service.forwarder import EngineForwarder, ForwardError, ForwardJob
+from kvpop.serving.kvpop_service.frontend import engine_prompts
+from kvpop.serving.process.drain import DrainSignal
+from kvpop.serving.process.stubs import exit_with_server
 
 CANCEL_POLL_SECONDS = 0.1
 

@@ -3,7 +3,7 @@
 A client request may carry a batch of N prompts; the engine generates one sequence per request, so
 the front end splits it into N engine requests and answers all N together. Known request parameters
 become input tensors of the engine's declared type, so a decimal such as `"temperature": 1.5` is
-carried exactly and validated by the one request parser (kvpop.serving.request). Unknown parameters
+carried exactly and validated by the one request parser (kvpop.serving.kvpop_engine.parse). Unknown parameters
 are ignored (the design guide's clients send some, e.g. `confidence_threshold`).
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from kvpop.serving.contract import SCALAR_INPUTS as SCALAR_SPECS
-from kvpop.serving.request import SCALAR_INPUTS, InvalidRequestError
+from kvpop.serving.kvpop_engine.parse import SCALAR_INPUTS, InvalidRequestError
 
 # Front-end parameters that are not generation settings.
 FRONTEND_ONLY = {"stream"}

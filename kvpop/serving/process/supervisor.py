@@ -9,7 +9,7 @@ keep answering 200 while every request to the dead stub hangs. So the supervisor
 - serves the truthful health endpoints on its own port: `/ready` is 200 only while the server is
   ready AND every stub it started is alive AND it is not draining; `/live` while this loop runs;
 - on SIGTERM (or Ctrl-C) drains: readiness goes false, the engine refuses new work as UNAVAILABLE
-  (kvpop.serving.drain), running generations finish within the grace period or get a clear error,
+  (kvpop.serving.process.drain), running generations finish within the grace period or get a clear error,
   then the children and the server stop, leftover stubs and their /dev/shm regions are removed, and
   it exits 0;
 - restarts a child that exited on its own, without touching the server.
@@ -29,8 +29,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Sequence
 
-from kvpop.serving.process import ProcessStartError, TritonServer, die_with_parent
-from kvpop.serving.stubs import StubProcess
+from kvpop.serving.process.tritonserver import ProcessStartError, TritonServer, die_with_parent
+from kvpop.serving.process.stubs import StubProcess
 
 RESTART_NOTICE_SECONDS = 0.5  # the front end's watcher polls every 0.1 s
 RESTART_NOTICE_MAX_SECONDS = 5.0  # a loaded machine may need longer to answer what the front end holds

@@ -1,7 +1,7 @@
-"""`python -m kvpop.serving.launcher`: the command line of `make serve`, `make serve-bg` and the container.
+"""`python -m kvpop.serving.process.launcher`: the command line of `make serve`, `make serve-bg` and the container.
 
 Parses the options, installs the Python backend stub (`--prepare-only`, what `make setup` runs), and
-runs the supervisor (kvpop.serving.supervisor) over a tritonserver process (kvpop.serving.process),
+runs the supervisor (kvpop.serving.process.supervisor) over a tritonserver process (kvpop.serving.process.tritonserver),
 in the foreground or detached with a pid file. The process layer's names most callers need
 (`TritonServer`, `free_port`, ...) are re-exported here for them.
 """
@@ -17,7 +17,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvpop.serving.process import (
+from kvpop.serving.process.tritonserver import (
     DEFAULT_MODEL_REPOSITORY,
     ProcessStartError,
     TritonServer,
@@ -26,9 +26,9 @@ from kvpop.serving.process import (
     free_port,
     prepare_python_backend_stub,
 )
-from kvpop.serving.ports import PortInUseError, check_ports
-from kvpop.serving.state_dir import DEFAULT_STATE_DIR, STATE_DIR_ENV
-from kvpop.serving.supervisor import ChildProcess, Supervisor, install_signal_handlers
+from kvpop.serving.process.ports import PortInUseError, check_ports
+from kvpop.serving.process.state_dir import DEFAULT_STATE_DIR, STATE_DIR_ENV
+from kvpop.serving.process.supervisor import ChildProcess, Supervisor, install_signal_handlers
 
 __all__ = ["ProcessStartError", "TritonServer", "choose_model_config", "count_gpus", "free_port", "main"]
 
@@ -62,7 +62,7 @@ def detach(argv: list[str], pid_file: Path, log_file: Path, health_url: str, tim
     """Run the supervisor in the background (its pid in pid_file) and wait until it reports ready."""
     log_file.parent.mkdir(parents=True, exist_ok=True)
     with open(log_file.with_name("launcher.log"), "ab") as output:
-        child = subprocess.Popen([sys.executable, "-m", "kvpop.serving.launcher", *argv], stdout=output,
+        child = subprocess.Popen([sys.executable, "-m", "kvpop.serving.process.launcher", *argv], stdout=output,
                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     pid_file.parent.mkdir(parents=True, exist_ok=True)
     pid_file.write_text(f"{child.pid}\n")
@@ -94,7 +94,7 @@ def openai_api(address: str, port: int, grpc_port: int, run_dir: Path) -> ChildP
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m kvpop.serving.launcher",
+    parser = argparse.ArgumentParser(prog="python -m kvpop.serving.process.launcher",
                                      description="Run and supervise tritonserver on the model repository.")
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
     parser.add_argument("--http-port", type=int, default=8000)

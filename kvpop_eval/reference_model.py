@@ -1,6 +1,6 @@
 """Measure the reference model: greedy exact match with the full cache and with StreamingLLM.
 
-    python -m kvpop_train.reference.evaluate [--model models/reference] [--lengths 512 1024 2048]
+    python -m kvpop_eval.reference_model [--model models/reference] [--lengths 512 1024 2048]
         [--num 200] [--compression 0.88] [--tasks FILE.jsonl] [--onnx EXPORTED_DIR]
 
 The same harness as every other accuracy figure (`kvpop_eval.quality`): the model is exported to ONNX (or
@@ -25,7 +25,7 @@ from kvpop.engine import Engine
 from kvpop.request import CacheConfig
 from kvpop_eval.quality import load_tasks
 from kvpop_eval.quality.harness import evaluate
-from kvpop_eval.tasks import TaskConfig, generate_task
+from kvpop_tasks import TaskConfig, generate_task
 from kvpop_train.reference.checkpoint import SUMMARY_FILE
 from kvpop_train.reference.model_card import render_card
 
@@ -43,7 +43,7 @@ def load_records(args: argparse.Namespace) -> dict[str, list[dict]]:
 def evaluate_records(engine: Engine, records: list[dict], args: argparse.Namespace, label: str) -> dict:
     full = evaluate(engine, records, CacheConfig("full"), args.max_new_tokens)
     streaming = evaluate(
-        engine, records, CacheConfig("streaming", compression=args.compression, sinks=args.sink_tokens), args.max_new_tokens
+        engine, records, CacheConfig("streaming", compression=args.compression, options=dict(sinks=args.sink_tokens)), args.max_new_tokens
     )
     samples = [
         {"answer": full_row["answer"], "full": full_row["generated"], "streaming": streaming_row["generated"]}
@@ -81,7 +81,7 @@ def plot(results: list[dict], path: Path, compression: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvpop_train.reference.evaluate", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m kvpop_eval.reference_model", description=__doc__)
     parser.add_argument("--model", type=Path, default=Path("models/reference"))
     parser.add_argument("--onnx", type=Path, default=None, help="an export of --model (default: export it to a scratch folder)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048])

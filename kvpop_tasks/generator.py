@@ -26,7 +26,7 @@ from __future__ import annotations
 import random
 from dataclasses import asdict, dataclass, field
 
-from kvpop_eval.tasks.language import (
+from kvpop_tasks.language import (
     ANSWER_START,
     FACT_END,
     FILLER_WORDS,

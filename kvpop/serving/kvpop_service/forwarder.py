@@ -21,6 +21,7 @@ from typing import Callable
 import numpy as np
 
 from kvpop.serving.contract import ErrorKind
+from kvpop.serving.engine_stream import StreamError, is_final, stream_generate
 from kvpop.serving.errors import kind_of, tagged
 
 PAD_TOKEN_ID = -1  # pads output_ids when the prompts of one batched request get answers of unequal length
@@ -154,34 +155,13 @@ class EngineForwarder:
             print(f"[kvpop_service] answering request {job.job_id} failed: {callback_error!r}", flush=True)
 
     async def _generate(self, inputs: dict[str, np.ndarray], parameters: dict) -> dict[str, np.ndarray]:
-        import tritonclient.grpc as grpc_client
-        from tritonclient.utils import np_to_triton_dtype
-
-        tensors = []
-        for name, array in inputs.items():
-            tensor = grpc_client.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
-            tensor.set_data_from_numpy(array)
-            tensors.append(tensor)
-        outputs = [grpc_client.InferRequestedOutput(name) for name in self.output_names]
-
-        async def one_request():
-            yield {"model_name": self.engine_model, "inputs": tensors, "outputs": outputs,
-                   "parameters": parameters or None}
-
-        responses = self._client.stream_infer(one_request())
+        """The engine's one final answer to one prompt (the request is not streamed: no token responses)."""
         final = None
         try:
-            async for result, error in responses:
-                if error is not None:
-                    message = str(error.message() if hasattr(error, "message") else error)
-                    raise ForwardError(kind_of(message), message)
-                finish = result.as_numpy("finish_reason")
-                if finish is not None and finish.reshape(-1)[0]:  # the engine's one final answer
-                    final = {name: result.as_numpy(name) for name in self.output_names}
-                    break
-        finally:
-            if final is None:  # the client went away or the stream broke: the engine frees the slots
-                responses.cancel()
+            async for result in stream_generate(self._client, inputs, parameters, self.output_names, self.engine_model):
+                final = {name: result.as_numpy(name) for name in self.output_names} if is_final(result) else None
+        except StreamError as error:
+            raise ForwardError(kind_of(str(error)), str(error)) from None
         if final is None:
             raise ForwardError(ErrorKind.INTERNAL, tagged(ErrorKind.INTERNAL, f"{self.engine_model} sent no answer"))
         return final

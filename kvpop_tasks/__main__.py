@@ -1,4 +1,4 @@
-"""CLI: `python -m kvpop_eval.tasks write --split test --num 200 --context-tokens 512 --out FILE.jsonl`."""
+"""CLI: `python -m kvpop_tasks write --split test --num 200 --context-tokens 512 --out FILE.jsonl`."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import json
 import sys
 from pathlib import Path
 
-from kvpop_eval.tasks.generator import SPLITS, TaskConfig, generate_task
+from kvpop_tasks.generator import SPLITS, TaskConfig, generate_task
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvpop_eval.tasks", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m kvpop_tasks", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     write = commands.add_parser("write", help="write one split as JSONL, one task per line")
     write.add_argument("--split", choices=SPLITS, required=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvpop_eval.tasks.language import FINAL
+from kvpop_tasks.language import FINAL
 
 
 def extract_final_answer(text: str) -> str | None:

@@ -16,15 +16,13 @@ import numpy as np
 from kvpop.cache.prefix_cache import PrefixCache
 from kvpop.cache.reservations import KVReservations
 from kvpop.decoder import DecoderStep
-from kvpop.engine import Engine, load_learned_scorers
-from kvpop.policies import POLICIES
-from kvpop.policies.kvpop import default_scorer
-from kvpop.serving.admission import AdmissionPolicy, KVPoolAdmission
-from kvpop.serving.config import ServiceConfig
-from kvpop.serving.drain import DrainSignal
-from kvpop.serving.request import InvalidRequestError, parse_request, request_cache_config
-from kvpop.serving.warm_prefixes import parse_warm_prefixes, prefix_token_ids, warm_policies
-from kvpop.serving.worker import EngineWorker, ResponseChannel
+from kvpop.engine import Engine
+from kvpop.policies import POLICIES, load_policy_assets, policy_defaults
+from kvpop.serving.kvpop_engine.config import ServiceConfig
+from kvpop.serving.process.drain import DrainSignal
+from kvpop.serving.kvpop_engine.parse import InvalidRequestError, parse_request, request_cache_config
+from kvpop.serving.kvpop_engine.warm_prefixes import parse_warm_prefixes, prefix_token_ids, warm_policies
+from kvpop.serving.kvpop_engine.worker import EngineWorker, ResponseChannel
 from kvpop.sessions import SessionStore, TierLimits, model_fingerprint
 
 TOKENIZER_DIRNAME = "tokenizer"
@@ -47,7 +45,7 @@ class Placement:
         return f"{self.device}:{self.device_id}"
 
 
-class KVpopService:
+class KVpopEngineModel:
     def __init__(self, model_dir: Path, config: ServiceConfig, placement: Placement = Placement("cpu"), metrics=None,
                  state_dir: Path | None = None):
         from transformers import AutoTokenizer
@@ -56,22 +54,19 @@ class KVpopService:
         self.placement = placement
         self.decoder = DecoderStep(model_dir, placement.device, placement.device_id, threads=config.ort_threads or None)
         self.tokenizer = AutoTokenizer.from_pretrained(Path(model_dir) / TOKENIZER_DIRNAME)
-        self.learned_scorers = load_learned_scorers(model_dir)
-        try:
-            self.kvpop_scorer = default_scorer(config.kvpop_scorer, self.learned_scorers)
-        except ValueError as error:
-            raise ValueError(f"parameter kvpop_scorer: {error}") from None
-        admission = KVPoolAdmission(AdmissionPolicy(config.min_kv_budget, config.max_queue_size))
-        self.reservations = KVReservations(self.kv_capacity_bytes, self.decoder.spec)  # outlives engine restarts
+        self.policy_assets = load_policy_assets(model_dir)
+        # every request's policy options, by policy name: the deployment's settings on this model's assets
+        self.policy_options = policy_defaults(config.policy_settings, self.policy_assets)
+        self.reservations = KVReservations(config.kv_pool_bytes, self.decoder.spec)  # outlives engine restarts
         self.sessions = self._session_store(Path(model_dir), config, state_dir)
         self.prefixes = PrefixCache()
         self._warm_prefixes()
         self.sessions.on_queue_change = getattr(metrics, "observe_checkpoint_queue", None)
-        self.worker = EngineWorker(self._new_engine, self.tokenizer, admission, metrics, drain=DrainSignal()).start()
+        self.worker = EngineWorker(self._new_engine, self.tokenizer, metrics, drain=DrainSignal()).start()
         self._ids = itertools.count()
 
     def _new_engine(self) -> Engine:
-        return Engine(self.decoder, self.config.engine_config(), tokenizer=self.tokenizer, learned_scorers=self.learned_scorers,
+        return Engine(self.decoder, self.config.engine_config(), tokenizer=self.tokenizer, policy_assets=self.policy_assets,
                       sessions=self.sessions, prefixes=self.prefixes, reservations=self.reservations)
 
     def _warm_prefixes(self) -> None:
@@ -85,7 +80,7 @@ class KVpopService:
             return
         engine = self._new_engine()
         for policy in warm_policies(config.default_policy, config.warm_prefix_policies):
-            cache = request_cache_config(policy, None, None, config, self.kvpop_scorer)
+            cache = request_cache_config(policy, None, None, config, self.policy_options)
             for ids in prompts:
                 engine.warm_prefix(ids, cache)
 
@@ -101,10 +96,6 @@ class KVpopService:
             cold_bytes=config.session_cold_mb * 2**20, cold_ttl_s=config.session_ttl_s,
         )
         return SessionStore(limits, model_fingerprint(model_dir))
-
-    @property
-    def kv_capacity_bytes(self) -> int:
-        return self.config.kv_pool_mb * 2**20
 
     @staticmethod
     def policies() -> list[str]:
@@ -122,7 +113,7 @@ class KVpopService:
         # Client ids are neither unique nor trusted: the engine gets its own.
         request_id = f"{next(self._ids)}:{client_request_id[:64]}"
         parsed = parse_request(
-            request_id, get_input, parameters, self.tokenizer, self.decoder.spec.vocab_size, self.config, self.kvpop_scorer
+            request_id, get_input, parameters, self.tokenizer, self.decoder.spec.vocab_size, self.config, self.policy_options
         )
         self.worker.submit(parsed, channel)
 
@@ -132,4 +123,4 @@ class KVpopService:
         self.sessions.close()
 
 
-__all__ = ["InvalidRequestError", "KVpopService", "Placement", "ServiceConfig"]
+__all__ = ["InvalidRequestError", "KVpopEngineModel", "Placement", "ServiceConfig"]

@@ -1,6 +1,6 @@
 """The drain signal from the supervisor to the engine: a file whose presence means "shutting down".
 
-The supervisor (kvpop.serving.supervisor) writes it on SIGTERM with the grace deadline (Unix time)
+The supervisor (kvpop.serving.process.supervisor) writes it on SIGTERM with the grace deadline (Unix time)
 inside; the engine then refuses new requests as UNAVAILABLE (clients retry on another replica) and,
 once the deadline has passed, fails whatever is still running with a clear error instead of letting
 the server cut it off. A file, because it is the one thing both processes see without a protocol.

@@ -3,7 +3,7 @@ its Python backend stubs, and the shared memory they leave behind.
 
 On a development machine the server binary and the Python backend come from the `nvidia-pytriton`
 wheel installed in the virtualenv; in the NGC image (`nvcr.io/nvidia/tritonserver:<yy.mm>-py3`) they
-are under /opt/tritonserver. The supervisor (kvpop.serving.supervisor) keeps such a process alive;
+are under /opt/tritonserver. The supervisor (kvpop.serving.process.supervisor) keeps such a process alive;
 tests and benchmarks start one directly (`with TritonServer(...) as server:`).
 """
 
@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from kvpop.serving.drain import DRAIN_FILE_ENV, DrainSignal
-from kvpop.serving.state_dir import STATE_DIR_ENV
-from kvpop.serving.stubs import StubProcess, kill_stubs, orphaned_stubs, remove_shm_regions, stub_processes
+from kvpop.serving.process.drain import DRAIN_FILE_ENV, DrainSignal
+from kvpop.serving.process.state_dir import STATE_DIR_ENV
+from kvpop.serving.process.stubs import StubProcess, kill_stubs, orphaned_stubs, remove_shm_regions, stub_processes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
@@ -136,9 +136,9 @@ class TritonServer:
     log_file: Path | None = None
     extra_args: list[str] = field(default_factory=list)
     admin_key: str | None = None  # guards Triton's admin APIs (header kvpop-admin-key); None: unguarded
-    state_dir: Path | None = None  # session checkpoints (kvpop.serving.state_dir); None: run/state under the cwd
+    state_dir: Path | None = None  # session checkpoints (kvpop.serving.process.state_dir); None: run/state under the cwd
     die_with_parent: bool = False  # SIGKILLed when the process that started it dies (a supervisor's child)
-    drain_file: Path | None = None  # the models' drain signal (kvpop.serving.drain); None: one beside the log
+    drain_file: Path | None = None  # the models' drain signal (kvpop.serving.process.drain); None: one beside the log
     process: subprocess.Popen | None = None
     stubs: list[StubProcess] = field(default_factory=list)  # its Python backend stubs, once it was ready
 

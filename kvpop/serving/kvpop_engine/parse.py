@@ -1,4 +1,6 @@
-"""Turn one Triton request's tensors and parameters into an engine `GenerationRequest`.
+"""Turn one Triton request's tensors and parameters into an engine `GenerationRequest`, a piece per concern
+of the contract (kvpop.serving.contract): the prompt (kvpop.serving.kvpop_engine.prompt), the one-value
+options, the stop strings, sampling, the cache and its policy's options, the session.
 
 Everything a client can get wrong is checked here and raised as `InvalidRequestError` with a message
 that names the input, so `model.py` can answer that request alone with an error and carry on.
@@ -8,18 +10,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from kvpop.policies import policy_defaults
 from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
 from kvpop.serving import contract
-from kvpop.serving.config import ServiceConfig
 from kvpop.serving.contract import MAX_STOP_LENGTH, MAX_STOP_STRINGS, SAMPLING_PARAMETER_KEYS
-
-
-class InvalidRequestError(ValueError):
-    """The request is malformed; the message is sent back to the client."""
+from kvpop.serving.errors import InvalidRequestError
+from kvpop.serving.kvpop_engine.config import ServiceConfig
+from kvpop.serving.kvpop_engine.prompt import blank, decode_utf8, read_prompt
 
 
 # Inputs that carry one value, name -> the Python type it converts to; those whose zero value
@@ -40,19 +41,6 @@ class ParsedRequest:
     echo_prompt: bool = False  # exclude_input_in_output=false: the answer starts with the prompt
 
 
-def _decode_utf8(value: Any, name: str) -> str:
-    if isinstance(value, (bytes, np.bytes_)):
-        try:
-            return bytes(value).decode("utf-8")
-        except UnicodeDecodeError as error:
-            raise InvalidRequestError(f"{name} is not valid UTF-8 ({error.reason} at byte {error.start})") from None
-    if isinstance(value, str):
-        if not contract.encodable(value):
-            raise InvalidRequestError(f"{name} is not valid UTF-8 text (it holds a lone surrogate)")
-        return value
-    raise InvalidRequestError(f"{name} must be BYTES (a UTF-8 string), got {type(value).__name__}")
-
-
 def _scalar(name: str, tensor: np.ndarray | None, parameter: Any) -> Any:
     """One value from a tensor input or, failing that, a request parameter of the same name (checked
     against the input's wire type: kvpop.serving.contract.TensorSpec.check)."""
@@ -62,7 +50,7 @@ def _scalar(name: str, tensor: np.ndarray | None, parameter: Any) -> Any:
             raise InvalidRequestError(f"{name} must hold exactly one value, got shape {list(tensor.shape)}")
         value = tensor.reshape(-1)[0]
         if kind is str:
-            return _decode_utf8(value, name)
+            return decode_utf8(value, name)
         if kind is bool:
             return bool(value)
         if kind is int and not np.issubdtype(np.asarray(value).dtype, np.integer):
@@ -76,7 +64,7 @@ def _scalar(name: str, tensor: np.ndarray | None, parameter: Any) -> Any:
     if kind is bool:
         return parameter.strip().lower() in ("1", "true", "yes") if isinstance(parameter, str) else bool(parameter)
     if kind is str:
-        return _decode_utf8(parameter if isinstance(parameter, str) else str(parameter), f"parameter {name}")
+        return decode_utf8(parameter if isinstance(parameter, str) else str(parameter), f"parameter {name}")
     try:
         if isinstance(parameter, str):  # benchmark tools send numbers as strings (genai-perf: "max_tokens": "8")
             parameter = kind(parameter)
@@ -98,57 +86,6 @@ def parse_parameters(text: str | None) -> dict[str, Any]:
     return parameters if isinstance(parameters, dict) else {}
 
 
-def chat_prompt(get_input: Callable[[str], np.ndarray | None], parameters: dict[str, Any], tokenizer) -> np.ndarray | None:
-    """The `messages` input (one BYTES element of JSON, or a request parameter) rendered by the model's
-    chat template, as a `text_input` tensor; None when the request has no messages."""
-    from kvpop.serving.chat import InvalidMessagesError, parse_messages, render_chat
-
-    tensor = get_input("messages")
-    if tensor is None and "messages" not in parameters:
-        return None
-    if tensor is not None and tensor.size == 1 and _blank(_decode_utf8(tensor.reshape(-1)[0], "messages")):
-        return None  # an empty messages input (perf_analyzer's zero data) is not sent
-    if tensor is not None and tensor.size != 1:
-        raise InvalidRequestError(f"messages must hold exactly one JSON string, got shape {list(tensor.shape)}")
-    raw = tensor.reshape(-1)[0] if tensor is not None else parameters["messages"]
-    try:
-        return np.array([render_chat(parse_messages(raw), tokenizer)], dtype=object)
-    except InvalidMessagesError as error:
-        raise InvalidRequestError(str(error)) from None
-
-
-def _text_as_user_turn(parameters: dict[str, Any], tokenizer, config: ServiceConfig) -> bool:
-    """Whether a `text_input` goes through the model's chat template as one user message
-    (kvpop.serving.config.TEXT_INPUT_CHAT says why)."""
-    raw = parameters.get("raw_prompt", False)
-    if isinstance(raw, str):
-        raw = raw.strip().lower() in ("1", "true", "yes")
-    elif not isinstance(raw, bool):
-        raise InvalidRequestError(f"parameter raw_prompt must be a boolean, got {raw!r}")
-    return not raw and config.text_input_chat == "auto" and bool(getattr(tokenizer, "chat_template", None))
-
-
-def _user_turn(text: np.ndarray, tokenizer) -> np.ndarray:
-    """A non-empty text_input (one string) as the prompt of a one-message chat; anything else as is,
-    for the checks below to refuse."""
-    from kvpop.serving.chat import render_chat
-
-    if text.size != 1 or not _non_empty_text(text):
-        return text
-    prompt = _decode_utf8(text.reshape(-1)[0], "text_input")
-    if _is_rendered_chat(prompt, tokenizer):
-        return text
-    return np.array([render_chat([{"role": "user", "content": prompt}], tokenizer)], dtype=object)
-
-
-def _is_rendered_chat(prompt: str, tokenizer) -> bool:
-    """Whether a text_input already holds the chat template's turn markers (e.g. SmolLM2's
-    `<|im_start|>`): a client that rendered the template itself (Triton's OpenAI frontend does) sent a
-    finished prompt, which wrapping again would turn into a user message quoting a chat."""
-    markers = getattr(tokenizer, "additional_special_tokens", None) or getattr(tokenizer, "all_special_tokens", [])
-    return any(len(marker) > 1 and marker in prompt for marker in markers)
-
-
 def parse_request(
     request_id: str,
     get_input: Callable[[str], np.ndarray | None],
@@ -156,75 +93,51 @@ def parse_request(
     tokenizer,
     vocab_size: int,
     config: ServiceConfig,
-    kvpop_scorer: str = "accumulated_attention",
+    policy_options: Mapping[str, Any] | None = None,
 ) -> ParsedRequest:
-    """Validate inputs and build the engine request. `get_input(name)` returns a numpy array or None."""
+    """Validate inputs and build the engine request, one concern of the contract at a time: the prompt, the
+    one-value options, the stop strings, sampling, the cache, the session. `get_input(name)` returns a numpy
+    array or None. `policy_options`: every request's options by policy name (kvpop.policies.registry.policy_defaults;
+    None: the deployment's settings on a model without policy assets)."""
     parameters = _merge_sampling_parameters(get_input("sampling_parameters"), parameters)
-    text = get_input("text_input")
-    ids = get_input("input_ids")
-    if text is None and "text_input" in parameters:
-        text = np.array([parameters["text_input"]], dtype=object)
-    chat = chat_prompt(get_input, parameters, tokenizer)
-    if chat is None and text is not None and _text_as_user_turn(parameters, tokenizer, config):
-        text = _user_turn(text, tokenizer)
-    if chat is not None:
-        if text is not None or ids is not None:
-            raise InvalidRequestError("send exactly one of text_input, input_ids or messages")
-        text = chat
-    if text is not None and ids is not None:
-        # perf_analyzer fills every optional input: a non-empty text_input wins over input_ids;
-        # an empty text_input gives way to them.
-        if _non_empty_text(text):
-            ids = None
-        else:
-            text = None
-    if (text is None) == (ids is None):
-        raise InvalidRequestError(
-            f"send exactly one of text_input ({_wire('text_input')}) or input_ids ({_wire('input_ids')} [1, N])")
+    prompt_ids = read_prompt(get_input, parameters, tokenizer, vocab_size, config)
+    values = _option_values(get_input, parameters)
+    sampling = _sampling(values, _stop_strings(get_input, parameters), config)
+    try:
+        cache = request_cache_config(values["eviction_policy"] or config.default_policy, values["kv_budget"],
+                                     values["compression_ratio"], config, policy_options)
+    except ValueError as error:
+        raise InvalidRequestError(str(error)) from None
+    generation = GenerationRequest(request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, cache=cache,
+                                   session_id=_session_id(values), end_session=bool(values["session_close"]))
+    echo_prompt = values["exclude_input_in_output"] is False
+    if echo_prompt and values["stream"]:
+        raise InvalidRequestError("exclude_input_in_output=false is supported for complete answers only, not streams")
+    return ParsedRequest(generation=generation, stream=bool(values["stream"]), echo_prompt=echo_prompt)
 
-    if text is not None:
-        if text.size != 1:
-            raise InvalidRequestError(f"text_input must hold exactly one string, got shape {list(text.shape)}")
-        prompt = _decode_utf8(text.reshape(-1)[0], "text_input")
-        if not prompt.strip():
-            raise InvalidRequestError("text_input is empty")
-        if len(prompt) > config.max_prompt_tokens * 32:  # refuse absurd payloads before tokenizing
-            raise InvalidRequestError(f"text_input is too long ({len(prompt)} characters)")
-        prompt_ids = list(tokenizer(prompt).input_ids)
-    else:
-        if not np.issubdtype(ids.dtype, np.integer):
-            raise InvalidRequestError(f"input_ids must be INT32 or INT64, got {ids.dtype}")
-        if ids.size > config.max_prompt_tokens:  # refuse before converting a huge payload
-            raise InvalidRequestError(
-                f"prompt has {ids.size} tokens; this service accepts at most {config.max_prompt_tokens}"
-            )
-        prompt_ids = [int(token) for token in ids.reshape(-1)]
-        if not prompt_ids:
-            raise InvalidRequestError("input_ids is empty")
-        bad = [token for token in prompt_ids if not 0 <= token < vocab_size]
-        if bad:
-            raise InvalidRequestError(f"input_ids out of range [0, {vocab_size}): {bad[:5]}")
-    if not prompt_ids:
-        raise InvalidRequestError("the prompt is empty after tokenization")
-    if len(prompt_ids) > config.max_prompt_tokens:
-        raise InvalidRequestError(
-            f"prompt has {len(prompt_ids)} tokens; this service accepts at most {config.max_prompt_tokens}"
-        )
 
+def _option_values(get_input: Callable[[str], np.ndarray | None], parameters: dict[str, Any]) -> dict[str, Any]:
+    """The contract's one-value inputs (an input tensor, else a request parameter of the same name), None where
+    not sent; guided decoding, which the contract declares only to refuse, refused."""
     values = {name: _scalar(name, get_input(name), parameters.get(name)) for name in SCALAR_INPUTS}
     # perf_analyzer fills every optional input with zeros or empty strings: where zero or "" is not a
     # meaningful setting it means "not sent" (max_tokens 0 is the default, eviction_policy "" too).
     for name in UNSET_WHEN_ZERO:
-        if values[name] in (0, 0.0) or (isinstance(values[name], str) and _blank(values[name])):
+        if values[name] in (0, 0.0) or (isinstance(values[name], str) and blank(values[name])):
             values[name] = None
     if values["kv_budget"] is not None and values["kv_budget"] < 0:
         raise InvalidRequestError(f"kv_budget must be >= 1 slot per head (0 or absent: the default), got {values['kv_budget']}")
     for name in GUIDED_DECODING_INPUTS:
         guide = get_input(name)
-        if guide is not None and any(not _blank(_decode_utf8(item, name)) for item in guide.reshape(-1)):
+        if guide is not None and any(not blank(decode_utf8(item, name)) for item in guide.reshape(-1)):
             raise InvalidRequestError(f"{name}: guided decoding is not supported by this engine")
+    return values
+
+
+def _stop_strings(get_input: Callable[[str], np.ndarray | None], parameters: dict[str, Any]) -> tuple[str, ...]:
+    """The contract's stop inputs (`stop`, `stop_words`), else a `stop` parameter; blank ones dropped, bounded."""
     stop_tensors = [(name, get_input(name)) for name in STOP_INPUTS]
-    stop: tuple[str, ...] = tuple(_decode_utf8(item, name) for name, tensor in stop_tensors if tensor is not None
+    stop: tuple[str, ...] = tuple(decode_utf8(item, name) for name, tensor in stop_tensors if tensor is not None
                                   for item in tensor.reshape(-1))
     if all(tensor is None for _, tensor in stop_tensors) and isinstance(parameters.get("stop"), (list, str)):
         stop = tuple([parameters["stop"]] if isinstance(parameters["stop"], str) else map(str, parameters["stop"]))
@@ -232,13 +145,16 @@ def parse_request(
     # Stop strings are matched against the decoded tail every step: bound their cost.
     if len(stop) > MAX_STOP_STRINGS or any(len(item) > MAX_STOP_LENGTH for item in stop):
         raise InvalidRequestError(f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} characters")
+    return stop
 
+
+def _sampling(values: dict[str, Any], stop: tuple[str, ...], config: ServiceConfig) -> SamplingParams:
     max_tokens = values["max_tokens"] if values["max_tokens"] is not None else config.default_max_tokens
     if not 1 <= max_tokens <= config.max_output_tokens:
         raise InvalidRequestError(f"max_tokens must be in [1, {config.max_output_tokens}], got {max_tokens}")
     ignore_eos = bool(values["ignore_eos"]) or _check_tool_inputs(values, max_tokens)
     try:
-        sampling = SamplingParams(
+        return SamplingParams(
             temperature=values["temperature"] if values["temperature"] is not None else 0.0,
             top_p=values["top_p"] if values["top_p"] is not None else 1.0,
             top_k=values["top_k"] if values["top_k"] is not None else 0,
@@ -247,10 +163,11 @@ def parse_request(
             stop=stop,
             ignore_eos=ignore_eos,
         )
-        policy = values["eviction_policy"] or config.default_policy
-        cache = request_cache_config(policy, values["kv_budget"], values["compression_ratio"], config, kvpop_scorer)
     except ValueError as error:
         raise InvalidRequestError(str(error)) from None
+
+
+def _session_id(values: dict[str, Any]) -> str | None:
     session_id = values["session_id"]
     if session_id is not None:
         from kvpop.sessions import InvalidSessionId, validate_session_id
@@ -261,39 +178,23 @@ def parse_request(
             raise InvalidRequestError(str(error)) from None
     elif values["session_close"]:
         raise InvalidRequestError("session_close needs a session_id")
-    generation = GenerationRequest(request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, cache=cache,
-                                   session_id=session_id, end_session=bool(values["session_close"]))
-    echo_prompt = values["exclude_input_in_output"] is False
-    if echo_prompt and values["stream"]:
-        raise InvalidRequestError("exclude_input_in_output=false is supported for complete answers only, not streams")
-    return ParsedRequest(generation=generation, stream=bool(values["stream"]), echo_prompt=echo_prompt)
+    return session_id
 
 
 def request_cache_config(
-    policy: str, budget: int | None, compression: float | None, config: ServiceConfig, kvpop_scorer: str
+    policy: str, budget: int | None, compression: float | None, config: ServiceConfig,
+    policy_options: Mapping[str, Any] | None = None,
 ) -> CacheConfig:
-    """The cache a request gets (a bounded policy with neither budget nor ratio: the default budget).
-    Warm prefixes are prefilled for exactly these configurations."""
+    """The cache a request gets (a bounded policy with neither budget nor ratio: the default budget), with
+    its policy's options (`parse_request`). Warm prefixes are prefilled for exactly these configurations."""
     if policy == "full":
         if budget is not None or compression is not None:
             raise InvalidRequestError("eviction_policy 'full' keeps every token: omit kv_budget and compression_ratio")
     elif budget is None and compression is None:
         budget = config.default_kv_budget
-    return CacheConfig(policy=policy, budget=budget, compression=compression, scorer=kvpop_scorer,
-                       **(config.kvpop_options(kvpop_scorer) if policy == "kvpop" else {}))
-
-
-def _wire(name: str) -> str:
-    return contract.ENGINE.input(name).datatype
-
-
-def _non_empty_text(text: np.ndarray) -> bool:
-    return text.size == 1 and not _blank(_decode_utf8(text.reshape(-1)[0], "text_input"))
-
-
-def _blank(value: str) -> bool:
-    """Empty, whitespace or NUL only: perf_analyzer's zero data for strings."""
-    return not value.strip(" \t\r\n\x00")
+    if policy_options is None:
+        policy_options = policy_defaults(config.policy_settings, {})
+    return CacheConfig(policy=policy, budget=budget, compression=compression, options=policy_options.get(policy))
 
 
 def _merge_sampling_parameters(tensor: np.ndarray | None, parameters: dict[str, Any]) -> dict[str, Any]:
@@ -307,8 +208,8 @@ def _merge_sampling_parameters(tensor: np.ndarray | None, parameters: dict[str, 
     if isinstance(raw, dict):
         sampling = raw
     else:
-        text = _decode_utf8(raw, "sampling_parameters")
-        if _blank(text):
+        text = decode_utf8(raw, "sampling_parameters")
+        if blank(text):
             return parameters
         try:
             sampling = json.loads(text)
@@ -355,3 +256,6 @@ def _check_tool_inputs(values: dict[str, Any], max_tokens: int) -> bool:
                 f"got {name}={minimum}, max_tokens={max_tokens}; or use ignore_eos")
         exact = True
     return exact
+
+
+__all__ = ["InvalidRequestError", "ParsedRequest", "parse_parameters", "parse_request", "request_cache_config"]

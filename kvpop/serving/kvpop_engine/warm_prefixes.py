@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvpop.serving.chat import InvalidMessagesError, parse_messages, render_chat
+from kvpop.serving.kvpop_engine.chat import InvalidMessagesError, parse_messages, render_chat
 
 
 def parse_warm_prefixes(text: str) -> list[str | list[dict[str, str]]]:

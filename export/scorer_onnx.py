@@ -1,6 +1,6 @@
 """Export a trained scorer to ONNX, its recurrent state as explicit inputs and outputs, and check parity.
 
-`python -m kvpop_train.scorer.onnx_export --scorers MODEL/scorer --out model_repository/kvpop_engine/1`
+`python -m export.scorer_onnx --scorers MODEL/scorer --out model_repository/kvpop_engine/1`
 writes `scorer_<kind>.onnx` and `scorer_<kind>.json` (config, tensor names, state shapes, parity) for
 every `scorer_<kind>.pt` found, and for a stateful kind `scorer_<kind>.decode.onnx`, the one-token decode
 step of many sequences in one call. The runtime (kvpop.policies.kvpop.runtime) needs only those files.
@@ -262,7 +262,7 @@ def export_scorers(scorer_dir: Path, output_dir: Path) -> list[ScorerExport]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvpop_train.scorer.onnx_export", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m export.scorer_onnx", description=__doc__.splitlines()[0])
     parser.add_argument("--scorers", type=Path, required=True, help="directory with scorer_<kind>.pt (train output)")
     parser.add_argument("--out", type=Path, required=True, help="model version directory to write into")
     args = parser.parse_args(argv)

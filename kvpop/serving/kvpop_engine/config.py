@@ -1,17 +1,17 @@
 """Service tunables, read from `parameters` in config.pbtxt and validated when the model loads.
 
 A misconfigured model must fail at load time with a message naming the parameter, not at the first
-request.
+request. A policy's own settings (parameters named `<policy>_<setting>`, e.g. kvpop_scorer) are the
+policy's (kvpop.policies.registry.policy_settings); this module only hands them over.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
 
 from kvpop.engine import EngineConfig
-from kvpop.policies.kvpop.kinds import LEARNED_SCORER_KINDS
-from kvpop.policies.kvpop.text_spans import SPAN_POOLINGS
+from kvpop.policies import registry
 
 # How a plain `text_input` reaches an instruction-tuned model (one whose tokenizer has a chat template).
 # Such a model ends a bare question at once (SmolLM2: "What is the capital of France?" -> <|im_end|>),
@@ -23,14 +23,6 @@ TEXT_INPUT_CHAT = ("auto", "never")
 @dataclass(frozen=True)
 class ServiceConfig:
     default_policy: str = "full"  # eviction policy when a request names none
-    kvpop_scorer: str = "auto"  # the kvpop policy's scorer: auto (learned mLSTM when exported), mlstm, mlp, accumulated_attention
-    # > 0: a prompt that enters whole lets its last this many tokens (the question) pick half of kvpop's long-range
-    # slots by their attention (kvpop.policies.kvpop.query); 0: off; auto: 32 when the learned scorer's model ships
-    # retrieval heads (retrieval_heads.json), else off
-    kvpop_query_window: str = "auto"
-    # how kvpop ranks prompt tokens by span: auto (sentence_contrast when the question picks, else as the scorer was
-    # trained), line_contrast, sentence_contrast, ...
-    kvpop_span_pooling: str = "auto"
     default_kv_budget: int = 512  # slots per head for a bounded policy when a request names no budget
     max_prompt_tokens: int = 4096  # longer prompts are rejected with an invalid-argument error
     max_output_tokens: int = 1024  # upper bound for a request's max_tokens
@@ -42,7 +34,7 @@ class ServiceConfig:
     # a prompt of up to this many tokens whole, then evicts (Engine whole_prompt_tokens); 0: evict while prefilling
     whole_prompt_tokens: int = 4096
     max_step_tokens: int = 0  # prompt tokens fed per engine step beside the decodes (0: one chunk)
-    prefill_pacing: float = 0.0  # prompt work per step beside decodes, in measured decode steps' time (0: off; kvpop.prefill_pacer)
+    prefill_pacing: float = 0.0  # prompt work per step beside decodes, in measured decode steps' time (0: off; kvpop.engine.prefill_pacer)
     ort_threads: int = 0  # onnxruntime intra-op threads (0: onnxruntime's default)
     kv_pool_mb: int = 1024  # KV memory per instance for all running sequences (admission control)
     min_kv_budget: int = 64  # when the pool is tight, bounded requests may be degraded down to this
@@ -51,12 +43,14 @@ class ServiceConfig:
     session_warm_mb: int = 1024  # more sessions kept in host memory
     session_cold_mb: int = 8192  # session checkpoints on disk; the oldest beyond this are deleted
     session_ttl_s: float = 86400.0  # checkpoints unused this long are deleted
-    # checkpoint directory: relative to the model's folder in the state directory (kvpop.serving.state_dir,
+    # checkpoint directory: relative to the model's folder in the state directory (kvpop.serving.process.state_dir,
     # `--state-dir`), never the model repository; an absolute path as is; "": no disk tier
     session_dir: str = "sessions"
     text_input_chat: str = "auto"  # auto: a model with a chat template answers text_input as one user message; never: raw
     warm_prefixes: str = ""  # JSON list of prompt beginnings (strings or message lists) prefilled at load
     warm_prefix_policies: str = ""  # comma-separated policies to prefill them for besides default_policy
+    # each policy's settings object, by policy name (kvpop: kvpop.policies.kvpop.settings.KVpopSettings)
+    policy_settings: Mapping[str, Any] = field(default_factory=lambda: registry.policy_settings({}))
 
     def __post_init__(self) -> None:
         for name in ("default_kv_budget", "max_prompt_tokens", "max_output_tokens", "default_max_tokens",
@@ -82,26 +76,16 @@ class ServiceConfig:
                 f"parameter default_max_tokens ({self.default_max_tokens}) exceeds max_output_tokens "
                 f"({self.max_output_tokens})"
             )
-        from kvpop.policies import POLICIES, SCORERS
-        from kvpop.policies.kvpop.kinds import LEARNED_SCORER_KINDS
-
-        scorers = ["auto", *LEARNED_SCORER_KINDS, *SCORERS]
-        if self.kvpop_scorer not in scorers:
-            raise ValueError(f"parameter kvpop_scorer {self.kvpop_scorer!r} is not one of {scorers}")
-        if self.kvpop_query_window != "auto" and not self.kvpop_query_window.isdigit():  # digits only: an integer >= 0
-            raise ValueError(f"parameter kvpop_query_window must be auto or an integer >= 0, got {self.kvpop_query_window!r}")
-        if self.kvpop_span_pooling != "auto" and self.kvpop_span_pooling not in SPAN_POOLINGS:
-            raise ValueError(f"parameter kvpop_span_pooling {self.kvpop_span_pooling!r} is not auto or one of {SPAN_POOLINGS}")
         if self.text_input_chat not in TEXT_INPUT_CHAT:
             raise ValueError(f"parameter text_input_chat {self.text_input_chat!r} is not one of {list(TEXT_INPUT_CHAT)}")
-        if self.default_policy not in POLICIES:
-            raise ValueError(f"parameter default_policy {self.default_policy!r} is not one of {sorted(POLICIES)}")
-        from kvpop.serving.warm_prefixes import parse_warm_prefixes, warm_policies
+        if self.default_policy not in registry.POLICIES:
+            raise ValueError(f"parameter default_policy {self.default_policy!r} is not one of {sorted(registry.POLICIES)}")
+        from kvpop.serving.kvpop_engine.warm_prefixes import parse_warm_prefixes, warm_policies
 
         parse_warm_prefixes(self.warm_prefixes)
-        unknown = [name for name in warm_policies(self.default_policy, self.warm_prefix_policies) if name not in POLICIES]
+        unknown = [name for name in warm_policies(self.default_policy, self.warm_prefix_policies) if name not in registry.POLICIES]
         if unknown:
-            raise ValueError(f"parameter warm_prefix_policies names unknown policies {unknown}; known: {sorted(POLICIES)}")
+            raise ValueError(f"parameter warm_prefix_policies names unknown policies {unknown}; known: {sorted(registry.POLICIES)}")
 
     def engine_config(self) -> EngineConfig:
         """The engine's configuration these parameters make (an evaluation builds the service's engine from it)."""
@@ -112,24 +96,25 @@ class ServiceConfig:
             whole_prompt_tokens=self.whole_prompt_tokens,
             max_step_tokens=self.max_step_tokens or None,
             prefill_pacing=self.prefill_pacing or None,
+            min_kv_budget=self.min_kv_budget,
+            max_queue_size=self.max_queue_size,
         )
 
-    def kvpop_options(self, scorer: str) -> dict[str, Any]:
-        """CacheConfig fields of every kvpop request (query_window; span_pooling, which only a learned `scorer` has);
-        an `auto` parameter leaves its field to the policy's default."""
-        spans = self.kvpop_span_pooling != "auto" and scorer in LEARNED_SCORER_KINDS
-        return {**({"query_window": int(self.kvpop_query_window)} if self.kvpop_query_window != "auto" else {}),
-                **({"span_pooling": self.kvpop_span_pooling} if spans else {})}
+    @property
+    def kv_pool_bytes(self) -> int:
+        """The instance's KV pool (`kv_pool_mb`): what its admission reserves from, its metrics' capacity."""
+        return self.kv_pool_mb * 2**20
 
     @classmethod
     def from_model_config(cls, model_config: dict[str, Any]) -> "ServiceConfig":
         """Build from Triton's model config dict; unknown parameter names are an error (typos)."""
         raw = {key: value.get("string_value", "") for key, value in (model_config.get("parameters") or {}).items()}
-        known = {field.name: field for field in fields(cls)}
-        unknown = sorted(set(raw) - set(known))
+        own = registry.settings_parameters()
+        known = {option.name for option in fields(cls) if option.name != "policy_settings"}
+        unknown = sorted(set(raw) - known - set(own))
         if unknown:
-            raise ValueError(f"unknown parameters {unknown}; known: {sorted(known)}")
-        values: dict[str, Any] = {}
+            raise ValueError(f"unknown parameters {unknown}; known: {sorted(known | set(own))}")
+        values: dict[str, Any] = {"policy_settings": registry.policy_settings({key: raw.pop(key) for key in own if key in raw})}
         for name, text in raw.items():
             kind = type(getattr(cls, name))
             try:

@@ -18,7 +18,7 @@ STATE_DIR ?= run/state# session checkpoints, never inside model_repository/ (the
 PID_FILE := run/tritonserver.pid
 
 .PHONY: help setup model export serve serve-bg stop test test-unit test-e2e clean reference-model retrieval-heads eval-reference \
-	train-scorer eval-real eval-diverse-validation eval-diverse-test eval-multiturn tasks eval-sweep kvpress-env eval-kvpress speed speed-quick speed-real bench-service bench-service-real bench-peers bench-step-split llamacpp-server gpu-check bench-sessions bench-steady bench-profile bench-overhead bench-openai loadtest \
+	train-scorer eval-real eval-diverse-validation eval-diverse-test eval-multiturn-validation eval-multiturn tasks eval-sweep kvpress-env eval-kvpress speed speed-quick speed-real bench-service bench-service-real bench-peers bench-step-split llamacpp-server gpu-check bench-sessions bench-steady bench-profile bench-overhead bench-openai loadtest \
 	system-deps image image-lb test-cluster load-time test-faults test-fuzz stress soak docs-results publish-results
 
 REFERENCE := models/reference
@@ -233,15 +233,20 @@ eval-diverse-test: setup  ## [evaluate] piece DIVERSE_PIECE of the pre-registere
 	$(PY) -m kvpop_eval.quality.plan run --plan $(DIVERSE_PLAN) --piece $(DIVERSE_PIECE)
 	$(PY) -m kvpop_eval.quality.plan analyse --plan $(DIVERSE_PLAN) --out-dir $(RESULTS_OUT)/diverse-test/analysis
 
-MULTITURN_SPLIT ?= test
-MULTITURN_NUM ?= 24
-MULTITURN_TURNS ?= 12
-eval-multiturn: setup  ## [evaluate] chats whose first turn's fact is asked MULTITURN_TURNS turns later, through sessions, full vs kvpop 88%: build/results/multiturn/
+# Multi-turn chats (kvpop_eval/multiturn/): the validation split, where the chats' design is chosen, and the test plan
+# registered in docs/results/preregistration-multiturn.json, run once in its order; it resumes where a stopped run
+# ended. MULTITURN_OPENAI_URL: a running server's OpenAI API (make serve-bg); empty: one is started on free ports.
+MULTITURN_VALIDATION_NUM ?= 32
+MULTITURN_OPENAI_URL ?=
+eval-multiturn-validation: setup  ## [evaluate] MULTITURN_VALIDATION_NUM validation chats through sessions, full vs kvpop and keep_start at 88/94%: build/results/multiturn-validation/
 	@test -f model_repository/kvpop_engine/1/model_spec.json || { echo "no exported model: run 'make export' first"; exit 1; }
-	$(PY) -m kvpop_eval.multiturn write --split $(MULTITURN_SPLIT) --num $(MULTITURN_NUM) --turns $(MULTITURN_TURNS) \
-		--out build/real-tasks/multiturn-$(MULTITURN_SPLIT).jsonl
-	$(PY) -m kvpop_eval.multiturn run --model model_repository/kvpop_engine/1 --tasks build/real-tasks/multiturn-$(MULTITURN_SPLIT).jsonl \
-		--policies full,kvpop:mlstm,kvpop:mlstm+noquery,streaming --compressions 0.88 --out-dir $(RESULTS_OUT)/multiturn
+	$(PY) -m kvpop_eval.multiturn write --split validation --num $(MULTITURN_VALIDATION_NUM) --out build/multiturn/chats-validation.jsonl
+	$(PY) -m kvpop_eval.multiturn run --route sessions --tasks build/multiturn/chats-validation.jsonl --out-dir $(RESULTS_OUT)/multiturn-validation
+
+eval-multiturn: setup  ## [evaluate] the pre-registered multi-turn chats through sessions and the OpenAI API, full vs kvpop and keep_start at 88/94% (hours on 2 cores; resumes): build/results/multiturn/
+	@test -f model_repository/kvpop_engine/1/model_spec.json || { echo "no exported model: run 'make export' first"; exit 1; }
+	@test -f docs/results/preregistration-multiturn.json || { echo "no registered test plan (docs/results/preregistration-multiturn.json): register one first"; exit 1; }
+	$(PY) -m kvpop_eval.multiturn test $(if $(MULTITURN_OPENAI_URL),--openai-url $(MULTITURN_OPENAI_URL))
 
 tasks: setup  ## write 200 reference tasks of TASK_SPLIT (default heldout) at TASK_TOKENS (default 2048) to build/tasks/
 	$(PY) -m kvpop_tasks write --split $(TASK_SPLIT) --num 200 --context-tokens $(TASK_TOKENS) $(if $(TASK_FACTS),--num-facts $(TASK_FACTS)) --out $(TASKS_FILE)

@@ -69,7 +69,7 @@ SPECS = {
                    "make eval-diverse-validation DIVERSE_VALIDATION_POLICIES=kvpop:mlstm,kvpop:mlstm+recency@0.88,snapkv@0.88",
                    headline_policies=()),
         ResultSpec("multiturn", "multiturn/multiturn.json",
-                   "SmolLM2-135M-Instruct, 24 twelve-turn chats through sessions (test split)",
+                   "SmolLM2-135M-Instruct, multi-turn chats (test split, pre-registered)",
                    "make eval-multiturn"),
         ResultSpec("quality-reference-2048", "quality-reference-2048/sweep.json",
                    "reference model, 200 held-out tasks, 2,048 tokens",
@@ -118,7 +118,7 @@ def ratio_and_retained(policy: str, full: str) -> dict:
     from kvpop_eval.quality.analysis import cell_statistics
 
     correct, reference = (np.array([char == "1" for char in text]) for text in (policy, full))
-    return cell_statistics(correct, reference, np.ones_like(correct))
+    return cell_statistics(correct, reference)
 
 
 # -- loading ----------------------------------------------------------------------------------------
@@ -211,6 +211,67 @@ def sweep_table(name: str, sweep: dict, manifest: dict) -> str:
         lines.append(f"| {row['policy']} | {row['compression']:.0%} | {row['accuracy']:.3f} [{low:.2f}, {high:.2f}] | "
                      f"{fraction_text} | {interval} | {counts} | {budget} | {peak} |")
     return "\n".join(lines) + "\n\n" + provenance(name, manifest) + "\n"
+
+
+# -- multi-turn chats -------------------------------------------------------------------------------
+
+ROUTE_LABELS = {"sessions": "sessions", "openai": "OpenAI API"}
+
+
+def interval(values: list[float] | None, digits: int = 2) -> str:
+    return f"[{values[0]:.{digits}f}, {values[1]:.{digits}f}]" if values else ""
+
+
+def versus_cells(versus: dict | None) -> list[str]:
+    """of full, retained and +/- of a row against the full cache (kvpop_eval.quality.analysis.cell_statistics)."""
+    if versus is None:
+        return ["1.00", "", ""]
+    return [f"{versus['ratio']:.2f} {interval(versus['ratio_interval'])}" if versus["ratio"] is not None else "-",
+            f"{versus['retained']:.2f} {interval(versus['retained_interval'])}" if versus["retained"] is not None else "-",
+            f"+{versus['gained']}/-{versus['lost']}"]
+
+
+def multiturn_table(name: str, chats: dict, manifest: dict) -> str:
+    """Every route's rows over the chats each has run (a prefix of the registered ones): accuracy, the ratio to
+    the full cache and the retained share with their intervals, computed by kvpop_eval.multiturn.runner."""
+    registered = chats.get("preregistration")
+    commits = registered["commits"] if registered else []
+    lines = [
+        f"{chats['tasks']} chats registered, scoring: {chats['scoring']}; tasks file `{chats['tasks_file']}` "
+        f"(sha256 `{chats['tasks_sha256'][:12]}`)"
+        + (f", pre-registered in `{registered['file']}` at commit `{commits[0][:12] if commits else 'unknown'}`." if registered else ".")
+        + ("" if chats["all_chats_ran"] else " The run is not complete: each row names the chats it ran, the first of the "
+           "registered order; ratios compare the chats both rows ran."),
+        "",
+        "| route | policy | compression | chats run | accuracy [95% Wilson] | of full [95% paired bootstrap] | retained [95% Wilson] "
+        "| +/- vs full | budget (slots) | compression reached | mean tokens | peak KV / sequence |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for route, results in chats["routes"].items():
+        for row in sorted(results["results"], key=lambda row: (policy_rank(row["policy"]), row["compression"])):
+            low, high = wilson_interval(round(row["accuracy"] * row["tasks"]), row["tasks"])
+            lines.append(f"| {ROUTE_LABELS.get(route, route)} | {row['policy']} | {row['compression']:.0%} | {row['tasks']} | "
+                         f"{row['accuracy']:.3f} [{low:.2f}, {high:.2f}] | " + " | ".join(versus_cells(row.get("versus_full")))
+                         + f" | {row['mean_budget']:.0f} | {row['compression_achieved']:.3f} | {row['mean_tokens']:.0f} | "
+                         f"{mib(row['max_peak_kv_bytes'])} |")
+    return "\n".join(lines) + "\n\n" + provenance(name, manifest) + "\n"
+
+
+def multiturn_headline(chats: dict) -> list[str]:
+    """README rows: the default's accuracy on the chats through each route, its ratio to the full cache."""
+    lines = []
+    for route, results in chats["routes"].items():
+        full = full_row(results)
+        kvpop = {row["compression"]: row for row in sweep_rows(results) if row["policy"] == "kvpop"}
+        cells = []
+        for compression in COMPRESSIONS:
+            row = kvpop.get(compression)
+            versus = row and row.get("versus_full")
+            cells.append("" if not versus else f"{row['accuracy']:.3f} of {row['tasks']}, " + ", ".join(versus_cells(versus)))
+        lines.append(f"| SmolLM2-135M-Instruct, multi-turn chats through {ROUTE_LABELS.get(route, route)} (pre-registered test split, "
+                     f"{full['tasks']} of {chats['tasks']} chats run): accuracy of `kvpop` | {full['accuracy']:.3f} | "
+                     + " | ".join(cells) + f" | `{SPECS['multiturn'].command}` |")
+    return lines
 
 
 # -- service benchmark ------------------------------------------------------------------------------
@@ -340,12 +401,8 @@ def headline_table(results: dict[str, dict | None], manifest: dict) -> str:
         lines.append(f"| {title}: KV memory per sequence (peak) | {mib(full['max_peak_kv_bytes'])} | "
                      + " | ".join(memory) + f" | `{SPECS[name].command}` |")
     chats = results.get("multiturn")
-    if chats is not None:  # one budget for a whole chat, at 88% only
-        full = full_row(chats)
-        kvpop = {row["compression"]: row for row in sweep_rows(chats) if row["policy"] == HEADLINE_POLICIES[0]}
-        cells = [accuracy_cell(kvpop[c], full) if c in kvpop else "" for c in COMPRESSIONS]
-        lines.append(f"| {SPECS['multiturn'].title}: accuracy of `{HEADLINE_POLICIES[0]}` | {accuracy_cell(full, full)} | "
-                     + " | ".join(cells) + f" | `{SPECS['multiturn'].command}` |")
+    if chats is not None:
+        lines += multiturn_headline(chats)
     service = results.get("service-reference")
     spec = SPECS["service-reference"]
     if service is None:
@@ -380,9 +437,11 @@ def render_table(name: str, results_dir: Path) -> str:
         return step_split_table(name, result, manifest)
     if "cells" in result:
         return service_table(name, result, manifest)
+    if "routes" in result:
+        return multiturn_table(name, result, manifest)
     if "results" in result:
         return sweep_table(name, result, manifest)
-    raise ValueError(f"docs/results/{name}.json is neither a quality sweep nor a service benchmark")
+    raise ValueError(f"docs/results/{name}.json is neither a quality sweep, multi-turn chats nor a service benchmark")
 
 
 def render_text(text: str, results_dir: Path) -> str:

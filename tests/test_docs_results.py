@@ -80,3 +80,20 @@ def test_publish_copies_finished_runs_and_records_their_commit(tmp_path: Path):
 @pytest.mark.parametrize("name", ["headline", *docs_results.SPECS])
 def test_every_table_renders_from_the_committed_results(name: str):
     assert docs_results.render_table(name, docs_results.RESULTS_DIR).strip()
+
+
+def test_multiturn_chats_render_every_route_and_how_many_chats_each_row_ran(tmp_path: Path):
+    versus = {"tasks": 2, "ratio": 0.5, "ratio_interval": [0.0, 1.0], "retained": 0.5, "retained_interval": [0.09, 0.91],
+              "gained": 0, "lost": 1}
+    row = {"compression_achieved": 0.88, "mean_budget": 90.0, "mean_tokens": 750.0, "max_peak_kv_bytes": 2**20}
+    routes = {route: {"results": [{**row, "policy": "full", "compression": 0.0, "tasks": 3, "accuracy": 2 / 3},
+                                  {**row, "policy": "kvpop", "compression": 0.88, "tasks": 2, "accuracy": 0.5, "versus_full": versus}]}
+              for route in ("sessions", "openai")}
+    chats = {"tasks": 100, "scoring": "the answer", "tasks_file": "chats.jsonl", "tasks_sha256": "a" * 64, "all_chats_ran": False,
+             "preregistration": {"file": "plan.json", "commits": ["c" * 40], "chats": 100}, "routes": routes}
+    (tmp_path / "multiturn.json").write_text(json.dumps(chats))
+    table = docs_results.render_table("multiturn", tmp_path)
+    assert "| sessions | kvpop | 88% | 2 | 0.500" in table and "| OpenAI API | full | 0% | 3 |" in table
+    assert "0.50 [0.00, 1.00]" in table and "not complete" in table and "`cccccccccccc`" in table
+    headline = docs_results.multiturn_headline(chats)
+    assert len(headline) == 2 and "3 of 100 chats run" in headline[0] and "0.500 of 2" in headline[0]

@@ -44,8 +44,9 @@ def load_records(runs: list[Path], tasks_file: Path) -> list[dict]:
     return records
 
 
-def cell_statistics(correct: np.ndarray, full: np.ndarray, in_cache: np.ndarray, seed: int = 0) -> dict:
-    """(n,) bool each: this cell's answers, the full cache's, and whether the answer survived the eviction."""
+def cell_statistics(correct: np.ndarray, full: np.ndarray, in_cache: np.ndarray | None = None, seed: int = 0) -> dict:
+    """(n,) bool each: this cell's answers, the full cache's, and whether the answer survived the eviction (None:
+    not known, and `lost_in_cache` is None)."""
     count = len(correct)
     accuracy, full_accuracy = correct.mean(), full.mean()
     rng = np.random.default_rng(seed)
@@ -62,7 +63,8 @@ def cell_statistics(correct: np.ndarray, full: np.ndarray, in_cache: np.ndarray,
         "ratio": float(accuracy / full_accuracy) if full_accuracy else None, "ratio_interval": [float(low), float(high)],
         "full_correct": answered, "retained": kept / answered if answered else None,
         "retained_interval": list(wilson_interval(kept, answered)) if answered else None,
-        "gained": int((correct & ~full).sum()), "lost": int(lost.sum()), "lost_in_cache": int((lost & ~in_cache).sum()),
+        "gained": int((correct & ~full).sum()), "lost": int(lost.sum()),
+        "lost_in_cache": None if in_cache is None else int((lost & ~in_cache).sum()),
     }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
+from kvpop.engine import EngineConfig
 from kvpop.policies import registry
 
 # How a plain `text_input` reaches an instruction-tuned model (one whose tokenizer has a chat template).
@@ -85,6 +86,19 @@ class ServiceConfig:
         unknown = [name for name in warm_policies(self.default_policy, self.warm_prefix_policies) if name not in registry.POLICIES]
         if unknown:
             raise ValueError(f"parameter warm_prefix_policies names unknown policies {unknown}; known: {sorted(registry.POLICIES)}")
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's configuration these parameters make (an evaluation builds the service's engine from it)."""
+        return EngineConfig(
+            max_batch_size=self.max_running_sequences,
+            prefill_chunk=self.prefill_chunk_tokens,
+            min_bounded_chunk=self.min_prefill_chunk_tokens,
+            whole_prompt_tokens=self.whole_prompt_tokens,
+            max_step_tokens=self.max_step_tokens or None,
+            prefill_pacing=self.prefill_pacing or None,
+            min_kv_budget=self.min_kv_budget,
+            max_queue_size=self.max_queue_size,
+        )
 
     @property
     def kv_pool_bytes(self) -> int:

@@ -16,7 +16,7 @@ import numpy as np
 from kvpop.cache.prefix_cache import PrefixCache
 from kvpop.cache.reservations import KVReservations
 from kvpop.decoder import DecoderStep
-from kvpop.engine import Engine, EngineConfig
+from kvpop.engine import Engine
 from kvpop.policies import POLICIES, load_policy_assets, policy_defaults
 from kvpop.serving.kvpop_engine.config import ServiceConfig
 from kvpop.serving.process.drain import DrainSignal
@@ -66,17 +66,7 @@ class KVpopEngineModel:
         self._ids = itertools.count()
 
     def _new_engine(self) -> Engine:
-        config = EngineConfig(
-            max_batch_size=self.config.max_running_sequences,
-            prefill_chunk=self.config.prefill_chunk_tokens,
-            min_bounded_chunk=self.config.min_prefill_chunk_tokens,
-            whole_prompt_tokens=self.config.whole_prompt_tokens,
-            max_step_tokens=self.config.max_step_tokens or None,
-            prefill_pacing=self.config.prefill_pacing or None,
-            min_kv_budget=self.config.min_kv_budget,
-            max_queue_size=self.config.max_queue_size,
-        )
-        return Engine(self.decoder, config, tokenizer=self.tokenizer, policy_assets=self.policy_assets,
+        return Engine(self.decoder, self.config.engine_config(), tokenizer=self.tokenizer, policy_assets=self.policy_assets,
                       sessions=self.sessions, prefixes=self.prefixes, reservations=self.reservations)
 
     def _warm_prefixes(self) -> None:

@@ -4,12 +4,15 @@
 a `ScorerState` that `init_state` returns and the slot cache keeps as the kvpop policy's state
 (`cache.policy_state`), so saving and restoring a cache saves and restores its scorer too.
 `LearnedScorer` adapts the runtime to the kvpop policy's `TokenScorer` interface.
+A prompt's pieces go through the memory on the runtime's worker thread while the engine runs the next piece
+through the decoder (onnxruntime releases the GIL): the same calls in the same order, off the engine's path.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,15 +78,22 @@ class ScorerState:
     """One sequence's scorer state: the recurrent memory, and the tokens not yet taken into it.
 
     While a prompt chunk is computed in pieces (kvpop.kvtypes.StagedChunk), `staged` holds the scores
-    of the leaving tokens its pieces took in so far; the chunk's append then only looks them up.
+    of the leaving tokens its pieces took in so far (a Future while its piece runs on the runtime's
+    worker, which also writes `recurrent`: `settle` first); the chunk's append then only looks them up.
     Between appends (when a state is saved or copied) it is None."""
 
     recurrent: dict[str, np.ndarray]  # state name -> (L, Hkv, ...) float32; empty when stateless
     pending_key: np.ndarray  # (L, Hkv, P, D) tokens of the last append, consumed at the next score
     pending_value: np.ndarray  # (L, Hkv, P, D)
-    staged: "list[tuple[np.ndarray, np.ndarray]] | None" = None  # per piece: leaving positions (m,), scores (L, Hkv, m)
+    staged: "list[tuple[np.ndarray, np.ndarray | Future]] | None" = None  # per piece: leaving positions (m,), scores (L, Hkv, m)
+
+    def settle(self) -> None:
+        """Wait for the pieces still running on the worker: their scores in `staged`, the memory after them."""
+        if self.staged:
+            self.staged = [(positions, scores.result() if isinstance(scores, Future) else scores) for positions, scores in self.staged]
 
     def copy(self) -> "ScorerState":
+        self.settle()
         return ScorerState(
             {name: array.copy() for name, array in self.recurrent.items()},
             self.pending_key.copy(), self.pending_value.copy(),
@@ -101,12 +111,18 @@ class ScorerRuntime:
         self.session = ort.InferenceSession(
             str(Path(directory) / self.spec.onnx_file), sess_options=options, providers=["CPUExecutionProvider"]
         )
+        # One thread for prompt pieces (`beside`): a sequence's pieces run in order, each on the memory the last left.
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kvpop-scorer-{kind}")
         self.decode_session = None  # scorer_<kind>.decode.onnx: B sequences' decode steps in one call
         self._last_decode: tuple[list[dict[str, np.ndarray]], list[np.ndarray]] | None = None  # states out, stacked
         if self.spec.decode_onnx_file and (Path(directory) / self.spec.decode_onnx_file).exists():
             self.decode_session = ort.InferenceSession(
                 str(Path(directory) / self.spec.decode_onnx_file), sess_options=options, providers=["CPUExecutionProvider"]
             )
+
+    def beside(self, work) -> Future:
+        """Run `work()` on the worker thread, after the work handed to it before."""
+        return self._worker.submit(work)
 
     @staticmethod
     def available(directory: Path) -> list[str]:
@@ -249,19 +265,25 @@ class LearnedScorer(TokenScorer):
 
     def take_piece(self, state: ScorerState, new_key: np.ndarray, new_value: np.ndarray,
                    leaving_positions: np.ndarray, leaving_key: np.ndarray, leaving_value: np.ndarray) -> None:
-        """Run a chunk's piece through the memory now, rows paired with their leaving tokens exactly as
-        the whole chunk's append would pair them, and keep those tokens' scores for it (`score`): a
-        chunk computed over several engine steps then costs its completing step no scorer work."""
+        """Run a chunk's piece through the memory now, beside the engine's next decoder call (the runtime's
+        worker; the arrays must stay as they are until `settle`), rows paired with their leaving tokens
+        exactly as the whole chunk's append would pair them, and keep those tokens' scores for it (`score`):
+        a chunk computed over several engine steps then costs its completing step no scorer work."""
         if state.staged is None:  # the chunk's first piece: what the previous append held back goes first
             self._consume(state, leaving=None)
             state.staged = []
-        scores, state.recurrent = self.runtime.step(state.recurrent, new_key, new_value, leaving_key, leaving_value,
-                                                    np.zeros(new_key.shape[:3], np.float32))
         rows = leaving_positions >= 0
-        state.staged.append((leaving_positions[rows], scores[:, :, rows]))
+
+        def run() -> np.ndarray:  # (L, Hkv, m): on the worker, after this sequence's earlier pieces
+            scores, state.recurrent = self.runtime.step(state.recurrent, new_key, new_value, leaving_key, leaving_value,
+                                                        np.zeros(new_key.shape[:3], np.float32))
+            return scores[:, :, rows]
+
+        state.staged.append((leaving_positions[rows], self.runtime.beside(run)))
 
     def observe(self, cache, state: ScorerState, update) -> StatisticsUpdate:
         if state.staged is not None:  # the chunk's pieces are in the memory already (take_piece)
+            state.settle()
             if not any(len(positions) for positions, _ in state.staged):  # no token leaves: score is not called
                 state.staged = None
             return StatisticsUpdate()
@@ -284,6 +306,7 @@ class LearnedScorer(TokenScorer):
 
     def score(self, cache, state: ScorerState, leaving: LeavingTokens) -> np.ndarray:
         if state.staged is not None:  # scored when their pieces went in: look each head's up by position
+            state.settle()
             positions = np.concatenate([piece_positions for piece_positions, _ in state.staged])  # (M,) ascending
             scores = np.concatenate([piece_scores for _, piece_scores in state.staged], axis=2)  # (L, Hkv, M)
             state.staged = None

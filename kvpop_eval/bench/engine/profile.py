@@ -18,7 +18,9 @@ sampling) and runs the real `Engine.step` loop:
 service's CPU config is (whole-prompt prefill up to --whole-prompt-tokens, chunks of at least --min-chunk).
 For each it prints a table (component, ms, share of the wall time) and the longest gap between two
 tokens of an already running stream against its median gap. Timers nest: `decoder` includes its
-own output copy; `policy.observe` includes `scorer`.
+own output copy; `policy.observe` includes `scorer`. The learned scorer takes a prompt's pieces in on its
+own thread beside the decoder (kvpop.policies.kvpop.runtime): its ONNX time there overlaps the decoder's,
+and what the engine waits for shows as "waiting for its thread".
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
 from kvpop_eval.engine_factory import build_engine
 from kvpop.decoder import DecoderStep
 from kvpop.policies.kvpop import KVpopPolicy, query
-from kvpop.policies.kvpop.runtime import LearnedScorer
+from kvpop.policies.kvpop.runtime import LearnedScorer, ScorerState
 from kvpop_eval.provenance import stamp
 
 DECODER_TIMER = "decoder (ONNX run + outputs to host)"
@@ -88,11 +90,12 @@ def instrument(engine: Engine) -> None:
         wrap(PromptStaging, "inputs", "prompt pieces: past arrays (cache + staged pieces)")
         wrap(PromptStaging, "store", "prompt pieces: stored, staged, appended (incl. the prompt's eviction)")
         wrap(KVpopPolicy, "stage", "  kvpop policy.stage (the scorer over a staged piece)")
-        wrap(LearnedScorer, "take_piece", "    learned scorer: a piece's rows")
+        wrap(LearnedScorer, "take_piece", "    learned scorer: a piece's rows handed to its thread")
+        wrap(ScorerState, "settle", "    learned scorer: waiting for its thread (the part not hidden)")
         wrap(query, "pick", "    the question's pick (query.pick)")
         _CLASSES_WRAPPED.append(True)
     for scorer in engine.policy_assets.get("kvpop", {}).values():
-        wrap(scorer.runtime, "step", "    learned scorer ONNX")
+        wrap(scorer.runtime, "step", "    learned scorer ONNX (a prompt's pieces: on its own thread)")
         wrap(scorer.runtime, "step_decode_batch", "  learned scorer decode graph (B sequences a call)")
 
 

@@ -116,6 +116,7 @@ def test_unencodable_text_is_found_wherever_it_is():
     assert contract.unencodable_at({"a": [1, "ok", {"b": "x\ud800"}]}) == "a.2.b"
     assert contract.unencodable_at({"k\udc00": 1}) == "k\\udc00"
     assert contract.unencodable_at("\ud800") == ""
+    assert contract.unencodable_at({"": ["\ud800"]}) == ".0"  # an empty key is a field, not the root
     assert contract.unencodable_at({"a": ["fine", "漢字 🙂"]}) is None
 
 

@@ -207,18 +207,17 @@ def encodable(text: str) -> bool:
 def unencodable_at(value: Any) -> str | None:
     """Where a decoded JSON value holds a string (or key) that is not valid text, as a dotted path ("" for
     the value itself), or None: every string a client sends must be UTF-8 on its way to the engine."""
-    stack: list[tuple[Any, str]] = [(value, "")]
+    stack: list[tuple[Any, tuple[str, ...]]] = [(value, ())]
     while stack:
         item, path = stack.pop()
         if isinstance(item, str) and not encodable(item):
-            return path
+            return ".".join(path)
         children = item.items() if isinstance(item, dict) else enumerate(item) if isinstance(item, list) else ()
         for key, child in children:
             name = str(key).encode("utf-8", "backslashreplace").decode("utf-8")  # a path that is text itself
-            child_path = f"{path}.{name}" if path else name
             if isinstance(key, str) and not encodable(key):
-                return child_path
-            stack.append((child, child_path))
+                return ".".join((*path, name))
+            stack.append((child, (*path, name)))
     return None
 
 

@@ -9,6 +9,7 @@ its next step.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, AsyncIterator, Sequence
 
 import numpy as np
@@ -66,12 +67,32 @@ async def stream_generate(client: Any, inputs: dict[str, np.ndarray], parameters
     finished = False
     try:
         async for result, error in responses:
-            if error is not None:
+            if error is not None:  # the engine's last response to the request (it sends errors as final)
+                finished = True
+                await _until_closed(responses)
                 raise StreamError(str(error.message() if hasattr(error, "message") else error))
             finished = is_final(result)
+            if finished:
+                await _until_closed(responses)
             yield result
             if finished:
                 return
     finally:
         if not finished:
             responses.cancel()
+
+
+async def _until_closed(responses: Any, timeout: float = 5.0) -> None:
+    """Read the stream to its end after the request's last response (the server closes it at once: the
+    request was our only one). Cancelling a stream whose request has just completed races tritonserver's own
+    completion of it: its stream handler then waits for a callback that never comes, and the engine model
+    can never unload (tritonserver runs into its exit timeout on every stop)."""
+
+    async def rest() -> None:
+        async for _ in responses:
+            pass
+
+    try:
+        await asyncio.wait_for(rest(), timeout)
+    except Exception:  # timed out or broken: nothing more is owed
+        responses.cancel()

@@ -148,6 +148,20 @@ def test_a_client_that_leaves_before_its_first_token_is_cancelled_at_once(slow_s
     assert wait_for(lambda: read("kvpop_active_sequences") == read("kvpop_kv_bytes_reserved") == 0)
 
 
+def steady_sequence_gauges(read) -> dict[str, float]:
+    """The four sequence gauges, from two scrapes in a row that agree: the engine sets them one after
+    another, so a scrape in between sees a sequence that has moved in one gauge and not yet in the next."""
+    previous = None
+    while True:
+        samples = read()
+        gauges = {name: sum(value for key, value in samples.items() if key.split("{")[0] == name)
+                  for name in ("kvpop_active_sequences", "kvpop_prefilling_sequences", "kvpop_decoding_sequences",
+                               "kvpop_queued_sequences")}
+        if gauges == previous:
+            return gauges
+        previous = gauges
+
+
 def test_the_sequence_gauges_say_what_they_count_under_load(slow_server):
     """Seven streams with room for four in the running batch (max_running_sequences): kvpop_active_sequences
     never counts more than four, prefilling + decoding make it, and the rest are counted as queued."""
@@ -158,10 +172,7 @@ def test_the_sequence_gauges_say_what_they_count_under_load(slow_server):
     try:
         assert wait_for(lambda: read("kvpop_queued_sequences") == 3 and read("kvpop_active_sequences") == 4)
         for _ in range(20):
-            samples = read()
-            gauges = {name: sum(value for key, value in samples.items() if key.split("{")[0] == name)
-                      for name in ("kvpop_active_sequences", "kvpop_prefilling_sequences", "kvpop_decoding_sequences",
-                                   "kvpop_queued_sequences")}
+            gauges = steady_sequence_gauges(read)
             assert gauges["kvpop_active_sequences"] <= 4, gauges
             assert gauges["kvpop_active_sequences"] == gauges["kvpop_prefilling_sequences"] + gauges["kvpop_decoding_sequences"]
             assert gauges["kvpop_active_sequences"] + gauges["kvpop_queued_sequences"] == 7, gauges

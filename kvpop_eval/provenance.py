@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,3 +35,13 @@ def command() -> str:
 def stamp(result: dict) -> dict:
     """`result` with "commit" and "command" added (existing keys kept in order)."""
     return {**result, "commit": commit(), "command": command()}
+
+
+def save_report(out_dir: Path, name: str, report: dict, text: str, plot: Callable[[dict, Path], None]) -> None:
+    """A benchmark's last step: `<name>.json` (stamped) and `<name>.md` (`text`) in `out_dir`, its plot drawn
+    there (`plot(report, out_dir)`), the table printed."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(stamp(report), indent=2) + "\n")
+    (out_dir / f"{name}.md").write_text(text)
+    plot(report, out_dir)
+    print(text)

@@ -25,7 +25,6 @@ Writes service.json, service.md and service.png into --out-dir.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -42,7 +41,7 @@ import numpy as np
 
 from kvpop_eval.bench import service
 from kvpop_eval.bench.english_prompts import english_prompts
-from kvpop_eval.provenance import stamp
+from kvpop_eval.provenance import save_report
 
 SERVICE_SYSTEMS = ("full", "kvpop")
 SYSTEMS = (*SERVICE_SYSTEMS, "classic", "llamacpp:Q4_1", "llamacpp:F16", "llamacpp:F32")
@@ -307,12 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         "cells": cells,
         "ratios": ratios(cells, args.systems),
     }
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "service.json").write_text(json.dumps(stamp(report), indent=2) + "\n")
-    text = markdown(report)
-    (args.out_dir / "service.md").write_text(text)
-    plot(report, args.out_dir)
-    print(text)
+    save_report(args.out_dir, "service", report, markdown(report), plot)
     return 0
 
 

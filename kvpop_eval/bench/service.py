@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-from kvpop_eval.provenance import stamp
+from kvpop_eval.provenance import save_report
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SYSTEMS = ("full", "kvpop", "classic")
@@ -488,12 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         "stall": stall,
     }
     ratios(report)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "service.json").write_text(json.dumps(stamp(report), indent=2) + "\n")
-    text = markdown(report)
-    (args.out_dir / "service.md").write_text(text)
-    plot(report, args.out_dir)
-    print(text)
+    save_report(args.out_dir, "service", report, markdown(report), plot)
     return 0
 
 

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from kvpop_eval.provenance import stamp
+from kvpop_eval.provenance import save_report
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODES = ("session", "whole history")
@@ -183,11 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         "turns": summarize(rows, args.turns),
         "rows": rows,
     }
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "session_ttft.json").write_text(json.dumps(stamp(report), indent=1) + "\n")
-    (args.out_dir / "session_ttft.md").write_text(markdown(report))
-    plot(report, args.out_dir / "session_ttft.png")
-    print(markdown(report))
+    save_report(args.out_dir, "session_ttft", report, markdown(report),
+                lambda report, out_dir: plot(report, out_dir / "session_ttft.png"))
     return 0
 
 

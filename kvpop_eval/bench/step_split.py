@@ -21,18 +21,16 @@ and step_split.png into --out-dir.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
-import statistics
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
-from kvpop_eval.provenance import stamp
+from kvpop_eval.provenance import save_report
 from kvpop_eval.timing import medians
 
 COMPRESSION = 0.88
@@ -279,12 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         "fit": {"fixed_s": fixed, "per_slot_s": per_slot}, "rows": rows, "ratios": ratios(rows),
         "gpu_predictions": gpu_predictions(weights, spec.kv_bytes_per_token, args.predict_batches, args.contexts, args.gpu_bandwidth),
     }
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "step_split.json").write_text(json.dumps(stamp(report), indent=2) + "\n")
-    text = markdown(report)
-    (args.out_dir / "step_split.md").write_text(text)
-    plot(report, args.out_dir)
-    print(text)
+    save_report(args.out_dir, "step_split", report, markdown(report), plot)
     return 0
 
 

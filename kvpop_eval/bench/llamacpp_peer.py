@@ -18,7 +18,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvpop_eval.bench.service import REQUEST_TIMEOUT_S, RequestTiming
+from kvpop_eval.bench.service import REQUEST_TIMEOUT_S, RequestTiming, wait_healthy
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LLAMACPP_BIN = REPO_ROOT / "build" / "llamacpp" / "cmake-build" / "bin"
@@ -57,18 +57,7 @@ def start_llamacpp(gguf: Path, parallel: int, context_per_slot: int, threads: in
                "-np", str(parallel), "-c", str(parallel * context_per_slot), "-cb", "-t", str(threads), "-tb", str(threads),
                "--no-webui"]
     process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                if response.status == 200:
-                    return process, f"127.0.0.1:{port}"
-        except Exception:
-            if process.poll() is not None:
-                raise RuntimeError(f"llama-server exited: {log.read_text()[-2000:]}")
-        time.sleep(0.5)
-    process.kill()
-    raise RuntimeError("llama-server did not become healthy")
+    return process, wait_healthy(process, port, log, "llama-server", timeout=180)
 
 
 def llamacpp_request(url: str, prompt: list[int], max_tokens: int, system: str) -> RequestTiming:

@@ -243,17 +243,24 @@ def start_classic(hf_model: Path, max_batch: int, log: Path, dtype: str):
          "--max-batch", str(max_batch), "--threads", str(os.cpu_count() or 2), "--device", "auto", "--dtype", dtype],
         cwd=REPO_ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
     )
-    deadline = time.time() + 120
+    return process, wait_healthy(process, port, log, "classic server", timeout=120)
+
+
+def wait_healthy(process: subprocess.Popen, port: int, log: Path, name: str, timeout: float) -> str:
+    """Wait until the HTTP server `process` started answers 200 on 127.0.0.1:`port`/health -> "host:port".
+    RuntimeError (its log's tail) if it exits first or is not healthy within `timeout` s (it is then killed)."""
+    deadline = time.time() + timeout
     while time.time() < deadline:
         try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-            return process, f"127.0.0.1:{port}"
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                if response.status == 200:
+                    return f"127.0.0.1:{port}"
         except Exception:
             if process.poll() is not None:
-                raise RuntimeError(f"classic server exited: {log.read_text()[-2000:]}")
-            time.sleep(0.5)
+                raise RuntimeError(f"{name} exited: {log.read_text()[-2000:]}") from None
+        time.sleep(0.5)
     process.kill()
-    raise RuntimeError("classic server did not start")
+    raise RuntimeError(f"{name} did not become healthy in {timeout:.0f} s")
 
 
 # -- report --------------------------------------------------------------------------------------

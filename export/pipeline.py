@@ -14,7 +14,7 @@ from pathlib import Path
 
 from export.fingerprint import Fingerprint, fingerprint
 from kvpop.model_spec import ModelSpec
-from kvpop.policies.kvpop.runtime import RETRIEVAL_HEADS_FILE
+from kvpop.policies.kvpop.scorer_spec import RETRIEVAL_HEADS_FILE
 
 TOKENIZER_DIRNAME = "tokenizer"
 SCORER_DIRNAME = "scorer"  # where `make train-scorer` leaves the reference model's scorer_<kind>.pt

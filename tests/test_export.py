@@ -142,7 +142,7 @@ def test_the_retrieval_heads_travel_with_the_scorers(tmp_path):
     """retrieval_heads.json beside the trained scorers is copied into the model repository; a stale one
     is removed when the scorers no longer have it."""
     from export.pipeline import export_learned_scorers
-    from kvpop.policies.kvpop.runtime import RETRIEVAL_HEADS_FILE
+    from kvpop.policies.kvpop.scorer_spec import RETRIEVAL_HEADS_FILE
 
     scorer_dir, output_dir = tmp_path / "scorers", tmp_path / "out"
     scorer_dir.mkdir()

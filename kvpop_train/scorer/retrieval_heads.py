@@ -15,7 +15,7 @@ hit when the planted sentence is among the `top` sentences its last `query_windo
 most (attention summed over the window and the head's query group, the largest over each sentence's
 tokens, sentences cut as the service cuts a prompt: text_spans.TextSpans). The heads with the highest hit
 rate are written to `retrieval_heads.json` beside the scorers; `make export` copies it into the model
-repository, where the learned scorers' runtime reads it (runtime.ScorerSpec). Heads found with the
+repository, where the learned scorers' runtime reads it (scorer_spec.ScorerSpec). Heads found with the
 training texts' own recall questions ("Which value does the text above give where it mentions X?") were
 not these: SmolLM2-135M's question attention does not find an ordinary docstring sentence in any head,
 so those questions calibrate nothing.
@@ -34,7 +34,7 @@ import torch
 from tqdm import tqdm
 
 from kvpop.policies.kvpop.query import SPAN_POOLING
-from kvpop.policies.kvpop.runtime import RETRIEVAL_HEADS_FILE
+from kvpop.policies.kvpop.scorer_spec import RETRIEVAL_HEADS_FILE
 from kvpop.policies.kvpop.text_spans import TextSpans, span_ends
 from kvpop_train.scorer.english_texts import split_sentences
 from kvpop_train.scorer.traces import capturing_attention

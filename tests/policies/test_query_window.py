@@ -150,7 +150,8 @@ def test_retrieval_heads_ship_beside_the_scorer(tiny_onnx_model_dir, tmp_path):
     import shutil
 
     from kvpop.policies import make_policy
-    from kvpop.policies.kvpop.runtime import RETRIEVAL_HEADS_FILE, LearnedScorer
+    from kvpop.policies.kvpop.runtime import LearnedScorer
+    from kvpop.policies.kvpop.scorer_spec import RETRIEVAL_HEADS_FILE
 
     model_dir = tmp_path / "model"
     shutil.copytree(tiny_onnx_model_dir, model_dir)

@@ -81,7 +81,7 @@ def _append_group(
     last: _StackedGroup | None,
 ) -> _StackedGroup:
     """B full caches of one kvpop policy configuration, each with exactly one token leaving its window."""
-    policy: KVpopPolicy = caches[0].policy
+    policy = caches[0].policy  # the group's KVpopPolicy
     sinks, window = policy.protected_counts(caches[0].budget)
     num_layers, batch_size, num_kv_heads, _, _ = new_key.shape
     batch, layer, head = _index_grids(len(caches), num_layers, num_kv_heads)

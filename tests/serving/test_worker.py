@@ -17,6 +17,7 @@ from kvpop.model_spec import ModelSpec
 from kvpop.cache.manager import CacheManager
 from kvpop.cache.reservations import KVReservations
 from kvpop.engine.admission import OverloadedError
+from kvpop.serving.contract import ErrorKind
 from kvpop.serving.kvpop_engine.metrics import NullMetrics, SequenceCounts
 from kvpop.serving.kvpop_engine.parse import ParsedRequest
 from kvpop.serving.kvpop_engine.worker import EngineWorker
@@ -363,3 +364,48 @@ def test_a_request_reaches_the_cache_manager_once(tiny_onnx_model_dir, monkeypat
         worker.stop()
     assert metrics.results["walked"].prefix_tokens_reused == 16
     assert watch.visits == ["plan"]
+
+
+def test_an_engine_failure_fails_the_running_and_moves_the_waiting_to_a_new_engine(tiny_onnx_model_dir, monkeypatch):
+    """A decoder call that raises once fails the engine's step: the request it was running gets an INTERNAL
+    error, the two waiting for a place in the batch move to a new engine and complete there, and the KV pool's
+    ledger (shared by both engines) ends with nothing reserved."""
+    from transformers import AutoTokenizer
+
+    decoder = DecoderStep(tiny_onnx_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_onnx_model_dir / "tokenizer")
+    spec = ModelSpec.load(tiny_onnx_model_dir)
+    pool = KVReservations(4096 * spec.kv_bytes_per_token, spec)
+    engines: list[Engine] = []
+
+    def engine() -> Engine:
+        engines.append(Engine(decoder, EngineConfig(max_batch_size=1), tokenizer=tokenizer, reservations=pool))
+        return engines[-1]
+
+    fault = threading.Event()
+    real_run = decoder.run
+
+    def run(*args, **kwargs):
+        if fault.is_set():
+            fault.clear()
+            raise RuntimeError("device lost")
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(decoder, "run", run)
+    worker = EngineWorker(engine, tokenizer, idle_wait=0.01).start()
+    try:
+        running, waiting = ListChannel(), [ListChannel(), ListChannel()]
+        worker.submit(parsed("running", stream=True, max_tokens=60_000, budget=64, ignore_eos=True), running)
+        while not running.responses:
+            time.sleep(0.01)
+        for index, channel in enumerate(waiting):
+            worker.submit(parsed(f"waiting{index}", stream=False, max_tokens=8, budget=64, ignore_eos=True), channel)
+        assert engines[0].state().waiting == ("waiting0", "waiting1") and pool.reserved_bytes > 0
+        fault.set()
+        assert running.done.wait(30) and all(channel.done.wait(60) for channel in waiting)
+    finally:
+        worker.stop()
+    assert running.errors == [("engine step failed: RuntimeError: device lost", ErrorKind.INTERNAL)]
+    assert all(not channel.errors and len(channel.ids()) == 8 for channel in waiting)
+    assert len(engines) == 2 and worker.engine is engines[1] and not engines[1].has_unfinished()
+    assert pool.reserved_bytes == 0

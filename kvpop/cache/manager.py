@@ -13,11 +13,12 @@ What it owns:
     pool when the decoder keeps the cache in device memory (`DeviceKVStore`, built by the decoder,
     which knows its provider; synced only here);
   - a request's cache configuration, read once into its `AdmissionPlan` (`plan`: the policy built, the
-    budget resolved, the storage and prefill slots, whether it can ever fit); everything below takes the
-    plan, never the configuration again;
+    budget resolved, the storage and prefill slots, whether it can ever fit); everything a request goes
+    through below takes the plan, never the configuration again;
   - the instance's KV memory: what the scheduler's admission reserves for a plan (`reserve` /
     `prefill_done` / `release`: storage in whole `GROWTH_BLOCK`s, plus a whole-prompt prefill's prompt
-    until its first token; `kvpop.cache.reservations`) and every byte the instance holds (`held_bytes`: running sequences, hot sessions, warm prefixes; `observe_in_use`);
+    until its first token; `kvpop.cache.reservations`) and every byte the instance holds
+    (`held_bytes`: running sequences, hot sessions, warm prefixes; `observe_in_use`);
   - the session store (hot / warm / cold tiers, `kvpop.sessions.store`): `save_session`,
     `restore_session` (inside `allocate`), `close_session`; snapshots by `kvpop.cache.snapshot`;
   - the warm prefixes (`kvpop.cache.prefix_cache`): `save_prefix` at load, a copy of the longest
@@ -64,7 +65,7 @@ if TYPE_CHECKING:
 
     from kvpop.device_store import DeviceKVStore
     from kvpop.decoder import StepOutput
-    from kvpop.request import GenerationRequest
+    from kvpop.request import CacheConfig, GenerationRequest
 
 log = logging.getLogger(__name__)
 PREFIX_FINGERPRINT = "warm-prefix"  # snapshots live and die with the loaded model: no model fingerprint needed
@@ -131,8 +132,9 @@ class CacheManager:
         holds = self.reservations.holds_alone
         fits = holds(storage_slots(budget, prompt, max_tokens)) or (
             budget is not None and min_budget is not None and holds(storage_slots(min(min_budget, budget), prompt, max_tokens)))
+        matched = request.session_id is not None or len(self.prefixes) > 0  # a saved state may continue it
         return AdmissionPlan(config.policy, policy, budget, prompt, max_tokens,
-                             prompt if prefills_whole(policy, budget, prompt) else 0, fits, asdict(config))
+                             prompt if prefills_whole(policy, budget, prompt) else 0, fits, asdict(config) if matched else None)
 
     # -- KV memory reserved at admission (kvpop.cache.reservations) ------------------------------
 
@@ -174,7 +176,7 @@ class CacheManager:
         continues it, else the longest warm prefix it starts with, else empty (with its worst case
         reserved so that it never grows in the pool), as its `plan` says (a degraded one's budget)."""
         allocation = self.restore_session(request, plan) if request.session_id is not None else None
-        if allocation is None and len(self.prefixes):
+        if allocation is None and plan.configuration is not None and len(self.prefixes):
             allocation = self.restore_prefix(request, plan)
         if allocation is None:
             allocation = Allocation(self._empty(plan), plan)
@@ -334,9 +336,9 @@ class CacheManager:
         tokens = snapshot.tokens_seen
         return Allocation(self._continue(snapshot, plan), plan, tokens, prefix_lookup=True, prefix_tokens_reused=tokens)
 
-    def save_prefix(self, cache: SlotCache, tokens: list[int], configuration: dict[str, Any]) -> None:
-        """Keep a copy of a prefilled prefix's cache for requests of this configuration (a plan's)."""
-        self.prefixes.add(capture_state(cache, tokens, PREFIX_FINGERPRINT, configuration))
+    def save_prefix(self, cache: SlotCache, tokens: list[int], cache_config: "CacheConfig") -> None:
+        """Keep a copy of a prefilled prefix's cache for requests of this configuration."""
+        self.prefixes.add(capture_state(cache, tokens, PREFIX_FINGERPRINT, asdict(cache_config)))
 
     @property
     def hot_session_bytes(self) -> int:

@@ -52,7 +52,9 @@ class AdmissionPlan:
     max_tokens: int
     prefill_slots: int  # slots per head its whole-prompt prefill holds beside the pool until its first token
     fits: bool  # whether it can ever run here alone (at the degradation floor, when it may be degraded)
-    configuration: dict[str, Any]  # the configuration as a saved session or warm prefix must match it
+    # The configuration as a saved session or warm prefix must match it; None when neither can continue
+    # the request (no session, no warm prefix when it was planned): a dictionary copy costs more than the plan.
+    configuration: dict[str, Any] | None
     degraded_from: int | None = None  # the budget it asked for, when admission reduced it
 
     @property

@@ -6,10 +6,11 @@ batch pool until its first token, whether it can ever fit). The cache manager ow
 a plan's slots (`reserve`: the running sequences share one padded batch pool, kvpop.cache.reservations).
 Requests are admitted first come first served, no overtaking. When a bounded request does not fit, it is
 admitted at a smaller budget if that is still >= `min_kv_budget` (degradation: its plan is replaced by one
-at that budget, which records the budget asked for, reported in its result); otherwise it waits, and past `max_queue_size` requests waiting for memory the next is
-refused as overloaded. Each sequence is reserved at its worst case (its budget, or prompt + max_tokens for
-the full cache), so the engine cannot outgrow the pool however many requests arrive. A reserved request
-waits for a place in the running batch (`max_batch_size`).
+at that budget, which records the budget asked for, reported in its result); otherwise it waits, and past
+`max_queue_size` requests waiting for memory the next is refused as overloaded. Each sequence is reserved
+at its worst case (its budget, or prompt + max_tokens for the full cache), so the engine cannot outgrow
+the pool however many requests arrive. A reserved request waits for a place in the running batch
+(`max_batch_size`).
 
 Repacking the batch pool (when sequences join or leave) briefly holds the old and the new pool arrays
 together: give the instance that much headroom beyond its KV pool.

@@ -4,11 +4,11 @@ fixed-budget slot cache.
 Every `step` (one driving thread): apply cancellations, take what the scheduler admits (its waiting
 queue, by KV memory and batch room: kvpop.engine.scheduler, kvpop.engine.admission), then run the step
 it sizes (one batched decode step of every sequence whose prompt is in, and prompt pieces of the
-admitted ones under the step's token budget), sample, and finish sequences that stop. Everything about where keys and values live
-(slot caches, the batch pool and its device mirror, sessions kept between turns, warm prefixes) is the
-cache manager's (`kvpop.cache.manager`); the engine asks it. `add_request` and `cancel` may be called
-from other threads: they only touch the queue and the KV reservations under the engine's lock;
-everything else belongs to the thread calling `step`.
+admitted ones under the step's token budget), sample, and finish sequences that stop. Everything
+about where keys and values live (slot caches, the batch pool and its device mirror, sessions kept
+between turns, warm prefixes) is the cache manager's (`kvpop.cache.manager`); the engine asks it.
+`add_request` and `cancel` may be called from other threads: they only touch the queue and the KV
+reservations under the engine's lock; everything else belongs to the thread calling `step`.
 """
 
 from __future__ import annotations
@@ -234,16 +234,16 @@ class Engine:
         if cache.compression is not None:
             raise ValueError("a warm prefix needs a fixed budget: a compression ratio's budget depends on each request")
         name, sampling = f"warm-prefix:{len(self.cache_manager.prefixes)}", SamplingParams(max_tokens=1)
-        whole = self.scheduler.read(GenerationRequest(name, prompt_ids, sampling, cache)).plan
-        if whole.prefill_slots:
+        plan = self.scheduler.read(GenerationRequest(name, prompt_ids, sampling, cache)).plan
+        if plan.prefill_slots:
             return 0  # a cold prefill would take prefix and rest as one chunk: no state to start it from
-        chunk = self.scheduler.evicting_chunk(whole.budget)
-        keep = len(prompt_ids) if whole.budget is None else len(prompt_ids) // chunk * chunk
+        chunk = self.scheduler.evicting_chunk(plan.budget)
+        keep = len(prompt_ids) if plan.budget is None else len(prompt_ids) // chunk * chunk
         if keep == 0:
             return 0
         request = GenerationRequest(name, prompt_ids[:keep], sampling, cache)
         state = self.prefill(request)
-        self.cache_manager.save_prefix(state.cache, request.prompt_ids, whole.configuration)
+        self.cache_manager.save_prefix(state.cache, request.prompt_ids, cache)
         self.free(request.request_id)
         return keep
 

@@ -4,7 +4,9 @@ chunk sizes, whole-prompt prefill, pacing, and whether the decode step shares a 
 As vLLM's scheduler owns its waiting queue and admits by free KV blocks, the scheduler owns the one
 waiting queue (kvpop.engine.admission): a request is read once into its plan by the cache manager
 (`read`), and each step `admit`s, first come first served, those whose KV memory the manager reserves
-and the running batch has room for (`max_batch_size`). As vLLM's scheduler interleaves chunked prefill with decode: every step runs ONE decode step of the
+and the running batch has room for (`max_batch_size`).
+
+As vLLM's scheduler interleaves chunked prefill with decode: every step runs ONE decode step of the
 sequences whose prompt is in, and prompt work of the admitted ones under a token budget
 (`EngineConfig.max_step_tokens`, or paced to the measured decode step: kvpop.engine.prefill_pacer),
 so a long new prompt stalls the running streams for one step's share of its prefill, not for all of

@@ -6,6 +6,7 @@ every import (top level, in functions, under TYPE_CHECKING) with `ast`, as tests
 from __future__ import annotations
 
 import ast
+import pickle
 from dataclasses import fields
 from pathlib import Path
 
@@ -45,6 +46,7 @@ def test_cache_config_carries_the_policy_options_object_and_no_policy_field():
     config = CacheConfig(policy="kvpop", budget=16, options={"scorer": "mlstm", "window": 8, "seed": 3})
     assert isinstance(config.options, options_type("kvpop"))  # seed is the random policy's: dropped
     assert (config.options.scorer, config.options.window, config.options.sinks) == ("mlstm", 8, 4)
+    assert pickle.loads(pickle.dumps(config)) == config  # a configuration crosses to a spawned process
 
 
 def test_service_settings_name_no_policy():

@@ -2,9 +2,9 @@
 
 Why a facade (as vLLM's `kv_cache_manager.py` over `block_pool.py`): the engine schedules requests and
 runs the decoder; where keys and values live, how big they may get and how they are kept across turns
-is one concern. The engine (its admission included) talks to this class alone for cache things
-and get small results back (`Allocation`, `Reservation`, `GenerationResult`, the decoder's past arrays),
-never the pool, the ledger, the store or a policy's internals.
+is one concern. The engine and its scheduler (admission included) talk to this class alone for cache
+things and get small results back (`AdmissionPlan`, `Allocation`, `Reservation`, `GenerationResult`, the
+decoder's past arrays), never the pool, the ledger, the store or a policy's internals.
 
 What it owns:
   - the slot caches of running sequences, by request id (`allocate` / `finish` / `free`), each with
@@ -12,17 +12,20 @@ What it owns:
   - the batch pool whose rows the decoding caches view (zero-copy), and the device mirror of that
     pool when the decoder keeps the cache in device memory (`DeviceKVStore`, built by the decoder,
     which knows its provider; synced only here);
-  - the instance's KV memory: whether a request can ever fit (`fits_alone`) and what the engine's
-    admission reserves for it (`reserve` / `prefill_done` / `release`: storage in whole `GROWTH_BLOCK`s,
-    plus a whole-prompt prefill's prompt until its first token; `kvpop.cache.reservations`) and every
-    byte the instance holds (`held_bytes`: running sequences, hot sessions, warm prefixes; `observe_in_use`);
+  - a request's cache configuration, read once into its `AdmissionPlan` (`plan`: the policy built, the
+    budget resolved, the storage and prefill slots, whether it can ever fit); everything a request goes
+    through below takes the plan, never the configuration again;
+  - the instance's KV memory: what the scheduler's admission reserves for a plan (`reserve` /
+    `prefill_done` / `release`: storage in whole `GROWTH_BLOCK`s, plus a whole-prompt prefill's prompt
+    until its first token; `kvpop.cache.reservations`) and every byte the instance holds
+    (`held_bytes`: running sequences, hot sessions, warm prefixes; `observe_in_use`);
   - the session store (hot / warm / cold tiers, `kvpop.sessions.store`): `save_session`,
     `restore_session` (inside `allocate`), `close_session`; snapshots by `kvpop.cache.snapshot`;
   - the warm prefixes (`kvpop.cache.prefix_cache`): `save_prefix` at load, a copy of the longest
     matching one inside `allocate` when no session state continues the request.
 
 Flow of one engine step:
-  1. admit: `allocate(request, budget, policy)` returns the sequence's cache: the session's saved state when the
+  1. admit: `allocate(request, plan)` returns the sequence's cache: the session's saved state when the
      prompt continues it, else a warm prefix's state when the prompt starts with one, else an empty
      cache reserved at its worst case (each a copy the sequence owns);
   2. prefill: `prefill_inputs(request_ids)` gives the decoder one cache's own arrays (no copy) or,
@@ -42,13 +45,13 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
 from kvpop.cache.pool import BatchSlotPool
 from kvpop.cache.prefix_cache import PrefixCache
-from kvpop.cache.reservations import KVReservations, Reservation, reserved_slots, storage_slots
+from kvpop.cache.reservations import AdmissionPlan, KVReservations, Reservation, storage_slots
 from kvpop.cache.slot_cache import GROWTH_BLOCK, SlotCache
 from kvpop.model_spec import ModelSpec
 from kvpop.policies import EvictionPolicy, prepare_policies
@@ -70,9 +73,10 @@ PREFIX_FINGERPRINT = "warm-prefix"  # snapshots live and die with the loaded mod
 
 @dataclass(frozen=True)
 class Allocation:
-    """An admitted request's cache and how much of its prompt that cache already holds."""
+    """An admitted request's cache, the plan it was made by, and how much of its prompt it already holds."""
 
     cache: SlotCache
+    plan: AdmissionPlan
     tokens_reused: int = 0  # prompt tokens already in `cache` (not to be computed again)
     session_tier: Tier | None = None  # the session's state came from this tier
     prefix_lookup: bool = False  # the warm prefixes were searched for this request
@@ -112,16 +116,27 @@ class CacheManager:
         self.reservations = reservations if reservations is not None else KVReservations(None, spec)
         prepare_policies(self.policy_assets, tokenizer, spec.vocab_size)
 
-    def policy_for(self, config: "CacheConfig") -> EvictionPolicy:
-        """A new policy instance for a cache of this configuration, on the model's assets; ValueError when
-        this model cannot run it (a learned scorer it names is not loaded)."""
-        return config.build_policy(self.policy_assets)
+    def plan(self, request: "GenerationRequest", min_budget: int | None,
+             prefills_whole: Callable[[EvictionPolicy, int | None, int], bool]) -> AdmissionPlan:
+        """The request's cache configuration read, once: its policy built on the model's assets, its budget
+        resolved, what its cache and its prefill take (`prefills_whole`: the scheduler's decision), and
+        whether it can ever fit the KV pool alone (at `min_budget`, when a bounded cache may be degraded
+        that far). ValueError when this model cannot run its policy (a learned scorer it names is not loaded)."""
+        config = request.cache
+        try:
+            policy = config.build_policy(self.policy_assets)
+        except ValueError as error:
+            raise ValueError(f"request {request.request_id!r}: {error}") from None
+        prompt, max_tokens = len(request.prompt_ids), request.sampling.max_tokens
+        budget = config.resolve_budget(prompt, max_tokens)
+        holds = self.reservations.holds_alone
+        fits = holds(storage_slots(budget, prompt, max_tokens)) or (
+            budget is not None and min_budget is not None and holds(storage_slots(min(min_budget, budget), prompt, max_tokens)))
+        matched = request.session_id is not None or len(self.prefixes) > 0  # a saved state may continue it
+        return AdmissionPlan(config.policy, policy, budget, prompt, max_tokens,
+                             prompt if prefills_whole(policy, budget, prompt) else 0, fits, asdict(config) if matched else None)
 
     # -- KV memory reserved at admission (kvpop.cache.reservations) ------------------------------
-
-    def fits_alone(self, slots: int) -> bool:
-        """Whether a cache of `slots` storage slots per head fits the KV pool with nothing else running."""
-        return self.reservations.holds_alone(slots)
 
     def reserve(self, request_id: str, slots: int, prefill_slots: int = 0) -> Reservation | None:
         """Reserve a cache of `slots` storage slots per head and `prefill_slots` until `prefill_done`, if
@@ -156,40 +171,38 @@ class CacheManager:
 
     # -- running sequences ----------------------------------------------------------------------
 
-    def allocate(self, request: "GenerationRequest", budget: int | None, policy: EvictionPolicy) -> Allocation:
+    def allocate(self, request: "GenerationRequest", plan: AdmissionPlan) -> Allocation:
         """The cache a newly admitted request starts from: its session's saved state when the prompt
         continues it, else the longest warm prefix it starts with, else empty (with its worst case
-        reserved so that it never grows in the pool). `budget` and `policy`: the request's, resolved once
-        (kvpop.engine.admission.Pending)."""
-        allocation = self.restore_session(request, budget, policy) if request.session_id is not None else None
-        if allocation is None and len(self.prefixes):
-            allocation = self.restore_prefix(request, budget, policy)
+        reserved so that it never grows in the pool), as its `plan` says (a degraded one's budget)."""
+        allocation = self.restore_session(request, plan) if request.session_id is not None else None
+        if allocation is None and plan.configuration is not None and len(self.prefixes):
+            allocation = self.restore_prefix(request, plan)
         if allocation is None:
-            allocation = Allocation(self._empty(request, budget, policy))
+            allocation = Allocation(self._empty(plan), plan)
         cache = allocation.cache
         cache.prompt_state = cache.policy.prompt_state(request.prompt_ids, self.tokenizer, self.spec.vocab_size)
         self._caches[request.request_id] = cache
         return allocation
 
-    def adopt(self, request: "GenerationRequest", cache: SlotCache, budget: int | None) -> Allocation:
+    def adopt(self, request: "GenerationRequest", cache: SlotCache, plan: AdmissionPlan) -> Allocation:
         """A cache that already holds the request's whole prompt (`Engine.add_prefilled`), taken as the request's
-        own; its budget must be the request's (`budget`)."""
-        if cache.budget != budget or cache.policy.name != request.cache.policy:
+        own; its policy and budget must be its plan's."""
+        if cache.budget != plan.budget or cache.policy.name != plan.policy_name:
             raise ValueError(f"request {request.request_id!r}: a {cache.policy.name} cache of {cache.budget} slots is not the "
-                             f"{request.cache.policy} cache of {budget} slots its configuration gives")
+                             f"{plan.policy_name} cache of {plan.budget} slots its configuration gives")
         self._caches[request.request_id] = cache
-        return Allocation(cache, tokens_reused=cache.tokens_seen)
+        return Allocation(cache, plan, tokens_reused=cache.tokens_seen)
 
-    def _empty(self, request: "GenerationRequest", budget: int | None, policy: EvictionPolicy) -> SlotCache:
+    def _empty(self, plan: AdmissionPlan) -> SlotCache:
         """A new cache; a bounded one takes its whole storage now (what admission reserved)."""
-        initial = 0 if budget is None else reserved_slots(budget, len(request.prompt_ids), request.sampling.max_tokens)
-        return SlotCache(self.spec, policy, budget, initial)
+        return SlotCache(self.spec, plan.policy, plan.budget, 0 if plan.budget is None else plan.reserved_slots)
 
     def finish(self, allocation: Allocation, request: "GenerationRequest", output_ids: list[int], reason: FinishReason,
                matched_stop: str | None = None) -> GenerationResult:
         """A sequence's end: its result from its cache, its session kept (a copy of the cache and the
         tokens it has seen: all but the last sampled one) or closed as the request asks, its cache freed."""
-        cache = allocation.cache
+        cache, plan = allocation.cache, allocation.plan
         result = GenerationResult(
             request_id=request.request_id,
             prompt_ids=request.prompt_ids,
@@ -200,18 +213,19 @@ class CacheManager:
             tokens_evicted=cache.tokens_evicted,
             compression=cache.tokens_evicted / cache.tokens_seen if cache.tokens_seen else 0.0,
             tokens_seen=cache.tokens_seen,
-            policy=request.cache.policy,
+            policy=plan.policy_name,
             matched_stop=matched_stop,
             tokens_reused=allocation.tokens_reused,
             session_tier=allocation.session_tier,
             prefix_lookup=allocation.prefix_lookup,
             prefix_tokens_reused=allocation.prefix_tokens_reused,
+            degraded_from=plan.degraded_from,
         )
         if request.session_id is not None and request.end_session:
             self.close_session(request.session_id)
         elif request.session_id is not None and reason != FinishReason.CANCELLED:
             history = (request.prompt_ids + output_ids)[: cache.tokens_seen]
-            self.save_session(request.session_id, cache, history, request.cache)
+            self.save_session(request.session_id, cache, history, plan.configuration)
         self.free(request.request_id)
         return result
 
@@ -282,28 +296,28 @@ class CacheManager:
 
     # -- sessions -------------------------------------------------------------------------------
 
-    def restore_session(self, request: "GenerationRequest", budget: int | None, policy: EvictionPolicy) -> Allocation | None:
+    def restore_session(self, request: "GenerationRequest", plan: AdmissionPlan) -> Allocation | None:
         """A copy of the session's saved cache when it fits this request: same model, same cache
         options and budget, and a prompt that starts with the saved tokens. None: a cold prefill."""
         state, tier = self.sessions.lookup(request.session_id)
-        if state is None or state.fingerprint != self.sessions.fingerprint or state.budget != budget:
+        if state is None or state.fingerprint != self.sessions.fingerprint or state.budget != plan.budget:
             return None
-        if state.cache_options != asdict(request.cache) or not state.reusable_for(request.prompt_ids):
+        if state.cache_options != plan.configuration or not state.reusable_for(request.prompt_ids):
             return None
-        return Allocation(self._continue(state, request, budget, policy), state.tokens_seen, tier)
+        return Allocation(self._continue(state, plan), plan, state.tokens_seen, tier)
 
-    def _continue(self, state: SessionState, request: "GenerationRequest", budget: int | None, policy: EvictionPolicy) -> SlotCache:
+    def _continue(self, state: SessionState, plan: AdmissionPlan) -> SlotCache:
         """A new cache continuing `state` (its own copies), with the request's worst case reserved."""
-        cache = restore_cache(state, self.spec, policy)
-        if budget is not None:
-            cache.reserve(reserved_slots(budget, len(request.prompt_ids), request.sampling.max_tokens))
+        cache = restore_cache(state, self.spec, plan.policy)
+        if plan.budget is not None:
+            cache.reserve(plan.reserved_slots)
         return cache
 
-    def save_session(self, session_id: str, cache: SlotCache, history: list[int], cache_config: "CacheConfig") -> None:
-        """Keep a copy of a finished turn's cache and the tokens it has seen; a failure (a full disk)
-        is logged, never raised: the next turn then prefills cold."""
+    def save_session(self, session_id: str, cache: SlotCache, history: list[int], configuration: dict[str, Any]) -> None:
+        """Keep a copy of a finished turn's cache and the tokens it has seen (`configuration`: its plan's, what
+        the next turn must match); a failure (a full disk) is logged, never raised: the next turn then prefills cold."""
         try:
-            self.sessions.put(session_id, capture_state(cache, history, self.sessions.fingerprint, asdict(cache_config)))
+            self.sessions.put(session_id, capture_state(cache, history, self.sessions.fingerprint, configuration))
         except Exception:
             log.exception("state of session turn not kept")
 
@@ -313,14 +327,14 @@ class CacheManager:
 
     # -- warm prefixes --------------------------------------------------------------------------
 
-    def restore_prefix(self, request: "GenerationRequest", budget: int | None, policy: EvictionPolicy) -> Allocation:
+    def restore_prefix(self, request: "GenerationRequest", plan: AdmissionPlan) -> Allocation:
         """A copy of the longest warm prefix the prompt starts with (same cache configuration), or an
         empty cache; either way the lookup is reported."""
-        snapshot = self.prefixes.match(asdict(request.cache), budget, request.prompt_ids)
+        snapshot = self.prefixes.match(plan.configuration, plan.budget, request.prompt_ids)
         if snapshot is None:
-            return Allocation(self._empty(request, budget, policy), prefix_lookup=True)
+            return Allocation(self._empty(plan), plan, prefix_lookup=True)
         tokens = snapshot.tokens_seen
-        return Allocation(self._continue(snapshot, request, budget, policy), tokens, prefix_lookup=True, prefix_tokens_reused=tokens)
+        return Allocation(self._continue(snapshot, plan), plan, tokens, prefix_lookup=True, prefix_tokens_reused=tokens)
 
     def save_prefix(self, cache: SlotCache, tokens: list[int], cache_config: "CacheConfig") -> None:
         """Keep a copy of a prefilled prefix's cache for requests of this configuration."""
@@ -332,4 +346,4 @@ class CacheManager:
         return self.sessions.hot_bytes if self.sessions is not None else 0
 
 
-__all__ = ["GROWTH_BLOCK", "Allocation", "CacheManager", "KVReservations", "PrefixCache", "Reservation", "append_output"]
+__all__ = ["GROWTH_BLOCK", "AdmissionPlan", "Allocation", "CacheManager", "KVReservations", "PrefixCache", "Reservation", "append_output"]

@@ -7,8 +7,9 @@ among them, so what a set of sequences needs is B x max(slots) x bytes per slot 
 
 A reservation is two parts: the cache's storage (whole growth blocks, held until the request ends) and,
 for a cache that prefills its prompt whole, the prompt's keys and values beside the pool until its
-first token (`prefill_done`). A request alone always gets its prefill part (its prompt is the
-instance's headroom). A reservation must also fit beside what the engine really held after its last
+first token (`prefill_done`). Both come from the request's `AdmissionPlan`: its cache configuration as
+the cache manager reads it, once (`CacheManager.plan`). A request alone always gets its prefill part
+(its prompt is the instance's headroom). A reservation must also fit beside what the engine really held after its last
 step (`observe_in_use`): finished rows leave the pool only at its next repack.
 
 The ledger outlives an engine (a service restarts its engine after a failure, and requests admitted
@@ -17,11 +18,15 @@ meanwhile keep their reservation). Not thread-safe: the engine calls it under it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from kvpop.cache.pool import padded_bytes
 from kvpop.cache.slot_cache import round_up_slots
 from kvpop.model_spec import ModelSpec
+
+if TYPE_CHECKING:
+    from kvpop.policies import EvictionPolicy
 
 
 def reserved_slots(budget: int | None, prompt_tokens: int, max_tokens: int) -> int:
@@ -33,6 +38,36 @@ def reserved_slots(budget: int | None, prompt_tokens: int, max_tokens: int) -> i
 def storage_slots(budget: int | None, prompt_tokens: int, max_tokens: int) -> int:
     """The storage (slots per head, whole growth blocks) reserved for such a sequence."""
     return round_up_slots(reserved_slots(budget, prompt_tokens, max_tokens))
+
+
+@dataclass(frozen=True)
+class AdmissionPlan:
+    """A request's cache as the manager reads its configuration, once (`CacheManager.plan`): what admission
+    reserves, what the allocation builds and what the result reports, so none of them reads it again."""
+
+    policy_name: str
+    policy: "EvictionPolicy"  # built on the model's assets; the sequence's cache keeps it
+    budget: int | None  # slots per head (None: the full cache); a degraded plan's reduced budget
+    prompt_tokens: int
+    max_tokens: int
+    prefill_slots: int  # slots per head its whole-prompt prefill holds beside the pool until its first token
+    fits: bool  # whether it can ever run here alone (at the degradation floor, when it may be degraded)
+    # The configuration as a saved session or warm prefix must match it; None when neither can continue
+    # the request (no session, no warm prefix when it was planned): a dictionary copy costs more than the plan.
+    configuration: dict[str, Any] | None
+    degraded_from: int | None = None  # the budget it asked for, when admission reduced it
+
+    @property
+    def reserved_slots(self) -> int:
+        return reserved_slots(self.budget, self.prompt_tokens, self.max_tokens)
+
+    @property
+    def storage_slots(self) -> int:
+        return storage_slots(self.budget, self.prompt_tokens, self.max_tokens)
+
+    def degraded(self, budget: int) -> "AdmissionPlan":
+        """This plan at a smaller budget (a tight KV pool), the budget it asked for recorded."""
+        return replace(self, budget=budget, degraded_from=self.budget)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""The generation loop: `Engine` (queue, step, finish) over a `Scheduler` (what runs each step) and a
-`ModelRunner` (the decoder calls), configured by one `EngineConfig`.
+"""The generation loop: `Engine` (requests in, step, finish) over a `Scheduler` (what runs next: the one
+waiting queue, admission by KV memory, each step's prompt work) and a `ModelRunner` (the decoder calls),
+configured by one `EngineConfig`.
 
 Build one from an exported model directory with `Engine.from_model_dir(model_dir, EngineConfig(...))`.
 """

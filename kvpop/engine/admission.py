@@ -1,15 +1,16 @@
-"""The engine's one waiting queue and its admission by KV memory (as vLLM's scheduler admits by free blocks).
+"""The scheduler's one waiting queue and its admission by KV memory (as vLLM's scheduler admits by free blocks).
 
-A request is read once into a `Pending`: its policy built, its budget resolved, and what its prefill holds
-beside the batch pool until its first token (the prompt, for a cache that prefills it whole). The cache
-manager owns the memory: it answers whether the request can ever fit (`fits_alone`) and reserves it
-(`reserve`: the running sequences share one padded batch pool, kvpop.cache.reservations). Requests are
-admitted first come first served, no overtaking. When a bounded request does not fit, it is admitted at a
-smaller budget if that is still >= `min_kv_budget` (degradation, recorded on the request and reported in
-its result); otherwise it waits, and past `max_queue_size` requests waiting for memory the next is
-refused as overloaded. Each sequence is reserved at its worst case (its budget, or prompt + max_tokens for
-the full cache), so the engine cannot outgrow the pool however many requests arrive. A reserved request
-waits for a place in the running batch (`max_batch_size`).
+A request is read once into a `Pending` around its `AdmissionPlan` (the cache manager's one reading of its
+cache configuration: its policy built, its budget resolved, what its cache and its prefill take beside the
+batch pool until its first token, whether it can ever fit). The cache manager owns the memory: it reserves
+a plan's slots (`reserve`: the running sequences share one padded batch pool, kvpop.cache.reservations).
+Requests are admitted first come first served, no overtaking. When a bounded request does not fit, it is
+admitted at a smaller budget if that is still >= `min_kv_budget` (degradation: its plan is replaced by one
+at that budget, which records the budget asked for, reported in its result); otherwise it waits, and past
+`max_queue_size` requests waiting for memory the next is refused as overloaded. Each sequence is reserved
+at its worst case (its budget, or prompt + max_tokens for the full cache), so the engine cannot outgrow
+the pool however many requests arrive. A reserved request waits for a place in the running batch
+(`max_batch_size`).
 
 Repacking the batch pool (when sequences join or leave) briefly holds the old and the new pool arrays
 together: give the instance that much headroom beyond its KV pool.
@@ -21,14 +22,13 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
-from kvpop.cache.reservations import storage_slots
+from kvpop.cache.reservations import AdmissionPlan, storage_slots
 from kvpop.cache.slot_cache import GROWTH_BLOCK
 from kvpop.request import GenerationRequest
 
 if TYPE_CHECKING:
     from kvpop.cache.manager import CacheManager
     from kvpop.cache.slot_cache import SlotCache
-    from kvpop.policies import EvictionPolicy
 
 
 class OverloadedError(RuntimeError):
@@ -47,24 +47,16 @@ class AdmissionPolicy:
 
 @dataclass
 class Pending:
-    """A request as the engine reads it once: its policy, its resolved budget, and its admission."""
+    """A request as the scheduler reads it once: its plan, and its admission."""
 
     request: GenerationRequest
-    policy: "EvictionPolicy"
-    budget: int | None  # slots per head (None: the full cache); a degraded request's reduced budget
-    prefill_slots: int = 0  # slots per head its whole-prompt prefill holds beside the pool until its first token
+    plan: AdmissionPlan  # a degraded request's at its reduced budget
     prefilled: "tuple[SlotCache, int] | None" = None  # a cache holding its whole prompt, and its first token
     reserved: bool = False  # its KV memory is reserved: it waits only for a place in the running batch
-    degraded_from: int | None = None  # the budget it asked for, when admission reduced it
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
-
-    @property
-    def storage_slots(self) -> int:
-        """Storage slots per head its cache can take (whole growth blocks)."""
-        return storage_slots(self.budget, len(self.request.prompt_ids), self.request.sampling.max_tokens)
 
 
 class WaitingQueue:
@@ -85,14 +77,11 @@ class WaitingQueue:
     def waiting_for_memory(self) -> int:
         return sum(not pending.reserved for pending in self._queue)
 
-    def check_fits(self, pending: Pending) -> None:
-        """ValueError unless the request could ever run here (alone, degraded if allowed)."""
-        floor = self.policy.min_kv_budget
-        fits = self.manager.fits_alone(pending.storage_slots) or (
-            pending.budget is not None and floor is not None and self.manager.fits_alone(
-                storage_slots(min(floor, pending.budget), len(pending.request.prompt_ids), pending.request.sampling.max_tokens)))
-        if not fits:
-            raise ValueError(f"request needs {pending.storage_slots} KV slots per head, more than this instance's KV pool "
+    @staticmethod
+    def check_fits(pending: Pending) -> None:
+        """ValueError unless the request could ever run here (alone, degraded if allowed: its plan says)."""
+        if not pending.plan.fits:
+            raise ValueError(f"request needs {pending.plan.storage_slots} KV slots per head, more than this instance's KV pool "
                              f"holds; lower max_tokens or choose a bounded eviction_policy")
 
     def add(self, pending: Pending) -> None:
@@ -128,19 +117,19 @@ class WaitingQueue:
         return removed
 
     def reserve(self, pending: Pending) -> bool:
-        """Reserve the request's memory, at a smaller budget down to `min_kv_budget` if need be."""
-        request = pending.request
-        if self.manager.reserve(request.request_id, pending.storage_slots, pending.prefill_slots) is not None:
+        """Reserve the request's memory, at a smaller budget down to `min_kv_budget` if need be (its plan
+        then degraded: the budget it asked for is recorded, and reported in its result)."""
+        plan = pending.plan
+        if self.manager.reserve(pending.request_id, plan.storage_slots, plan.prefill_slots) is not None:
             pending.reserved = True
             return True
-        if pending.budget is None or self.policy.min_kv_budget is None:
+        if plan.budget is None or self.policy.min_kv_budget is None:
             return False
-        asked = pending.budget
-        budget = (min(asked, pending.storage_slots) // GROWTH_BLOCK) * GROWTH_BLOCK
+        budget = (min(plan.budget, plan.storage_slots) // GROWTH_BLOCK) * GROWTH_BLOCK
         while budget >= max(self.policy.min_kv_budget, 1):
-            slots = storage_slots(budget, len(request.prompt_ids), request.sampling.max_tokens)
-            if self.manager.reserve(request.request_id, slots, pending.prefill_slots) is not None:
-                pending.budget, pending.degraded_from, pending.reserved = budget, asked, True
+            slots = storage_slots(budget, plan.prompt_tokens, plan.max_tokens)
+            if self.manager.reserve(pending.request_id, slots, plan.prefill_slots) is not None:
+                pending.plan, pending.reserved = plan.degraded(budget), True
                 return True
             budget -= GROWTH_BLOCK
         return False

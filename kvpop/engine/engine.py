@@ -1,14 +1,14 @@
 """The generation loop: one queue of requests, in-flight batching of sequences, each with its own
 fixed-budget slot cache.
 
-Every `step` (one driving thread): apply cancellations, admit waiting requests by KV memory
-(kvpop.engine.admission) up to `max_batch_size`, then run the step the scheduler sizes (kvpop.engine.scheduler: one batched decode
-step of every sequence whose prompt is in, and prompt pieces of the admitted ones under the step's
-token budget), sample, and finish sequences that stop. Everything about where keys and values live
-(slot caches, the batch pool and its device mirror, sessions kept between turns, warm prefixes) is the
-cache manager's (`kvpop.cache.manager`); the engine asks it. `add_request` and `cancel` may be called
-from other threads: they only touch the queue and the KV reservations under the engine's lock;
-everything else belongs to the thread calling `step`.
+Every `step` (one driving thread): apply cancellations, take what the scheduler admits (its waiting
+queue, by KV memory and batch room: kvpop.engine.scheduler, kvpop.engine.admission), then run the step
+it sizes (one batched decode step of every sequence whose prompt is in, and prompt pieces of the
+admitted ones under the step's token budget), sample, and finish sequences that stop. Everything
+about where keys and values live (slot caches, the batch pool and its device mirror, sessions kept
+between turns, warm prefixes) is the cache manager's (`kvpop.cache.manager`); the engine asks it.
+`add_request` and `cancel` may be called from other threads: they only touch the queue and the KV
+reservations under the engine's lock; everything else belongs to the thread calling `step`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from kvpop.cache.manager import CacheManager, KVReservations
 from kvpop.cache.prefix_cache import PrefixCache
 from kvpop.cache.slot_cache import SlotCache
 from kvpop.decoder import DecoderStep
-from kvpop.engine.admission import AdmissionPolicy, Pending, WaitingQueue
+from kvpop.engine.admission import Pending
 from kvpop.engine.config import EngineConfig
 from kvpop.engine.detokenizer import IncrementalDetokenizer
 from kvpop.engine.runner import ModelRunner
@@ -60,12 +60,11 @@ class Engine:
         self.spec = decoder.spec
         self.tokenizer = tokenizer
         self.policy_assets = dict(policy_assets or {})
-        self.scheduler = Scheduler(self.config, decoder.has_mixed_step)
         self.cache_manager = CacheManager(self.spec, decoder.device_store, sessions, self.policy_assets, prefixes, tokenizer,
                                           reservations)
+        self.scheduler = Scheduler(self.config, decoder.has_mixed_step, self.cache_manager)
         self.runner = ModelRunner(decoder, self.cache_manager)
-        self._lock = threading.Lock()  # guards waiting, the KV reservations, _cancelled, _finished, _request_ids
-        self.waiting = WaitingQueue(self.cache_manager, AdmissionPolicy(self.config.min_kv_budget, self.config.max_queue_size))
+        self._lock = threading.Lock()  # guards the waiting queue, the KV reservations, _cancelled, _finished, _request_ids
         self._cancelled: set[str] = set()
         self._finished: dict[str, GenerationResult] = {}
         self._request_ids: set[str] = set()  # every id not yet released by `result`
@@ -85,7 +84,7 @@ class Engine:
 
     def add_request(self, request: GenerationRequest) -> None:
         """Queue a request; it joins the running batch once its KV memory is reserved and the batch has
-        room (kvpop.engine.admission). Raises ValueError if invalid, OverloadedError when too many wait."""
+        room (the scheduler's admission). Raises ValueError if invalid, OverloadedError when too many wait."""
         self._queue(request, None)
 
     def add_prefilled(self, request: GenerationRequest, cache: "SlotCache", first_token: int) -> None:
@@ -100,24 +99,18 @@ class Engine:
 
     def _queue(self, request: GenerationRequest, prefilled: "tuple[SlotCache, int] | None") -> None:
         pending = self.read(request, prefilled)
-        self.waiting.check_fits(pending)  # ValueError: it could never run here
+        self.scheduler.waiting.check_fits(pending)  # ValueError: it could never run here
         with self._lock:
             if request.request_id in self._request_ids:
                 raise ValueError(f"request id {request.request_id!r} is already in use")
-            self.waiting.add(pending)
+            self.scheduler.waiting.add(pending)
             self._request_ids.add(request.request_id)
 
     def read(self, request: GenerationRequest, prefilled: "tuple[SlotCache, int] | None" = None) -> Pending:
-        """The request read once: checked, its policy built, its budget resolved, and what its prefill holds
-        beside the pool until its first token (its prompt, when its bounded cache prefills it whole)."""
+        """The request read once: checked, then planned by the cache manager (`Scheduler.read`: its policy built,
+        its budget resolved, what its cache and its prefill take, whether it can ever fit)."""
         self._check(request)
-        try:
-            policy = self.cache_manager.policy_for(request.cache)
-        except ValueError as error:
-            raise ValueError(f"request {request.request_id!r}: {error}") from None
-        prompt = len(request.prompt_ids)
-        budget = request.cache.resolve_budget(prompt, request.sampling.max_tokens)
-        return Pending(request, policy, budget, prompt if self.scheduler.prefills_whole(policy, budget, prompt) else 0, prefilled)
+        return self.scheduler.read(request, prefilled)
 
     def _check(self, request: GenerationRequest) -> None:
         """ValueError unless this engine can run `request` (tokens, length, scorer, stops, session)."""
@@ -143,7 +136,7 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         with self._lock:
-            return bool(len(self.waiting) or self._running or self._prefilling)
+            return bool(len(self.scheduler.waiting) or self._running or self._prefilling)
 
     def result(self, request_id: str) -> GenerationResult:
         """The finished request's result; releases it (and its id)."""
@@ -157,7 +150,8 @@ class Engine:
     def state(self) -> EngineState:
         """Request ids by phase (waiting, prefilling, decoding)."""
         with self._lock:
-            return EngineState(tuple(pending.request_id for pending in self.waiting), tuple(self._prefilling), tuple(self._running))
+            waiting = tuple(pending.request_id for pending in self.scheduler.waiting)
+            return EngineState(waiting, tuple(self._prefilling), tuple(self._running))
 
     def sequence(self, request_id: str) -> SequenceState | None:
         """An admitted request's progress and cache (read only); None unless it is prefilling or decoding."""
@@ -202,9 +196,8 @@ class Engine:
         """One batched decode step of the running sequences, then prompt chunks of admitted ones."""
         with self._lock:
             cancelled, self._cancelled = self._cancelled, set()
-            events = [self._finish_waiting(pending.request) for pending in self.waiting.remove(cancelled)]
-            self.waiting.admit()
-            admitted = self.waiting.take(self.config.max_batch_size - self.num_running)
+            events = [self._finish_waiting(pending) for pending in self.scheduler.waiting.remove(cancelled)]
+            admitted = self.scheduler.admit(self.num_running)
         for request_id in cancelled & (self._running.keys() | self._prefilling.keys()):
             sequence = self._running.get(request_id) or self._prefilling[request_id]
             events.append(self._finish(sequence, FinishReason.CANCELLED, NO_TOKEN))
@@ -240,14 +233,15 @@ class Engine:
         one whole chunk). Call it before `step` runs (it uses the step thread's cache manager)."""
         if cache.compression is not None:
             raise ValueError("a warm prefix needs a fixed budget: a compression ratio's budget depends on each request")
-        budget = cache.resolve_budget(len(prompt_ids), 0)
-        if self.scheduler.prefills_whole(self.cache_manager.policy_for(cache), budget, len(prompt_ids)):
+        name, sampling = f"warm-prefix:{len(self.cache_manager.prefixes)}", SamplingParams(max_tokens=1)
+        plan = self.scheduler.read(GenerationRequest(name, prompt_ids, sampling, cache)).plan
+        if plan.prefill_slots:
             return 0  # a cold prefill would take prefix and rest as one chunk: no state to start it from
-        chunk = self.scheduler.evicting_chunk(budget)
-        keep = len(prompt_ids) if budget is None else len(prompt_ids) // chunk * chunk
+        chunk = self.scheduler.evicting_chunk(plan.budget)
+        keep = len(prompt_ids) if plan.budget is None else len(prompt_ids) // chunk * chunk
         if keep == 0:
             return 0
-        request = GenerationRequest(f"warm-prefix:{len(self.cache_manager.prefixes)}", prompt_ids[:keep], SamplingParams(max_tokens=1), cache)
+        request = GenerationRequest(name, prompt_ids[:keep], sampling, cache)
         state = self.prefill(request)
         self.cache_manager.save_prefix(state.cache, request.prompt_ids, cache)
         self.free(request.request_id)
@@ -263,8 +257,8 @@ class Engine:
         """An admitted request's sequence with the cache the manager gives it (empty, a session's
         saved state or a warm prefix's); the rest of its prompt is fed by `_decode_and_prefill`."""
         request, prefilled = pending.request, pending.prefilled
-        allocation = (self.cache_manager.allocate(request, pending.budget, pending.policy) if prefilled is None
-                      else self.cache_manager.adopt(request, prefilled[0], pending.budget))
+        allocation = (self.cache_manager.allocate(request, pending.plan) if prefilled is None
+                      else self.cache_manager.adopt(request, prefilled[0], pending.plan))
         cache = allocation.cache
         prompt_left = len(request.prompt_ids) - allocation.tokens_reused
         detokenizer = IncrementalDetokenizer(self.tokenizer, request.sampling.stop) if self.tokenizer is not None else None
@@ -273,7 +267,7 @@ class Engine:
             chunk_size=self.scheduler.chunk_size(cache.policy, cache.budget, prompt_left),
             prefilled=allocation.tokens_reused,
             query_window=self.scheduler.query_window(cache.policy, cache.budget, prompt_left, cache.length),
-            pending_token=NO_TOKEN if prefilled is None else prefilled[1], degraded_from=pending.degraded_from,
+            pending_token=NO_TOKEN if prefilled is None else prefilled[1],
         )
 
     def _decode_and_prefill(self, decoding: list[Sequence]) -> list[TokenEvent]:
@@ -346,18 +340,19 @@ class Engine:
             detokenizer.flush()
         result = self.cache_manager.finish(sequence.allocation, request, sequence.output_ids, reason,
                                            detokenizer.matched_stop if detokenizer is not None else None)
-        result = replace(result, text=detokenizer.text if detokenizer is not None else result.text,
-                         degraded_from=sequence.degraded_from)
+        if detokenizer is not None:
+            result = replace(result, text=detokenizer.text)
         with self._lock:
             self._finished[request.request_id] = result
             self.cache_manager.release(request.request_id)
         text = detokenizer.take(final=True) if detokenizer is not None else ""
         return TokenEvent(request.request_id, token, finished=True, finish_reason=reason, text=text)
 
-    def _finish_waiting(self, request: GenerationRequest) -> TokenEvent:
+    def _finish_waiting(self, pending: Pending) -> TokenEvent:
         """A request cancelled before it started (called under the lock)."""
+        request = pending.request
         self._finished[request.request_id] = GenerationResult(
             request.request_id, request.prompt_ids, [], FinishReason.CANCELLED, budget=0, peak_kv_bytes=0,
-            tokens_evicted=0, compression=0.0, policy=request.cache.policy, started=False,
+            tokens_evicted=0, compression=0.0, policy=pending.plan.policy_name, started=False,
         )
         return TokenEvent(request.request_id, NO_TOKEN, finished=True, finish_reason=FinishReason.CANCELLED)

@@ -1,5 +1,10 @@
-"""What runs in an engine step: the prompt-token budget, chunk sizes, whole-prompt prefill, pacing, and
-whether the decode step shares a call with prompt work.
+"""What runs in an engine step: which waiting requests join the running batch, the prompt-token budget,
+chunk sizes, whole-prompt prefill, pacing, and whether the decode step shares a call with prompt work.
+
+As vLLM's scheduler owns its waiting queue and admits by free KV blocks, the scheduler owns the one
+waiting queue (kvpop.engine.admission): a request is read once into its plan by the cache manager
+(`read`), and each step `admit`s, first come first served, those whose KV memory the manager reserves
+and the running batch has room for (`max_batch_size`).
 
 As vLLM's scheduler interleaves chunked prefill with decode: every step runs ONE decode step of the
 sequences whose prompt is in, and prompt work of the admitted ones under a token budget
@@ -15,10 +20,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable
 
+from kvpop.engine.admission import AdmissionPolicy, Pending, WaitingQueue
 from kvpop.engine.config import EngineConfig
 from kvpop.engine.prefill_pacer import PrefillPacer
+from kvpop.request import GenerationRequest
 
 if TYPE_CHECKING:
+    from kvpop.cache.manager import CacheManager
+    from kvpop.cache.slot_cache import SlotCache
     from kvpop.engine.sequence import Sequence
     from kvpop.policies import EvictionPolicy
 
@@ -31,10 +40,24 @@ def reads_attention(sequences: "Iterable[Sequence]") -> bool:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, has_mixed_step: bool) -> None:
+    def __init__(self, config: EngineConfig, has_mixed_step: bool, manager: "CacheManager") -> None:
         self.config = config
         self.has_mixed_step = has_mixed_step  # the export has the decode + prompt call (DecoderStep.run_mixed)
         self.pacer = PrefillPacer(config.prefill_pacing) if config.prefill_pacing else None
+        self.manager = manager
+        self.waiting = WaitingQueue(manager, AdmissionPolicy(config.min_kv_budget, config.max_queue_size))
+
+    # -- admission: what joins the running batch -------------------------------------------------
+
+    def read(self, request: GenerationRequest, prefilled: "tuple[SlotCache, int] | None" = None) -> Pending:
+        """The request read once: its plan, the cache manager's one reading of its cache configuration."""
+        return Pending(request, self.manager.plan(request, self.config.min_kv_budget, self.prefills_whole), prefilled)
+
+    def admit(self, running: int) -> list[Pending]:
+        """Reserve KV memory for the waiting requests in order, and take the reserved ones the running batch
+        (`running` sequences now) has room for. Called under the engine's lock."""
+        self.waiting.admit()
+        return self.waiting.take(self.config.max_batch_size - running)
 
     # -- chunk sizing: fixed by the request alone ------------------------------------------------
 

@@ -33,7 +33,6 @@ class Sequence:
     chunk_size: int = 1  # prompt tokens per prefill chunk (what enters the cache at once)
     staged_tokens: int = 0  # of the current chunk, computed but not yet in the cache (the manager holds them)
     query_window: int = 0  # > 0: the prompt's last this many tokens run as their own piece, with attention
-    degraded_from: int | None = None  # the budget it asked for, when admission gave it a smaller one
 
     @property
     def request_id(self) -> str:

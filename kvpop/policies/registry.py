@@ -42,10 +42,15 @@ def policy_class(name: str) -> type[EvictionPolicy]:
 
 @cache
 def options_type(name: str) -> type:
-    """The frozen dataclass of policy `name`'s options: its init fields, with their defaults."""
+    """The frozen dataclass of policy `name`'s options: its init fields, with their defaults. An instance
+    pickles as the policy's name and its values (a spawned process rebuilds it through the registry)."""
     policy = policy_class(name)
     specs = [(option.name, option.type, field(default=option.default)) for option in fields(policy) if option.init]
-    return make_dataclass(f"{policy.__name__}Options", specs, frozen=True)
+
+    def reduce(options: Any) -> tuple:
+        return policy_options, (name, asdict(options))
+
+    return make_dataclass(f"{policy.__name__}Options", specs, frozen=True, namespace={"__reduce__": reduce})
 
 
 @cache

@@ -74,8 +74,7 @@ def test_only_steady_state_kvpop_caches_are_grouped(tiny_onnx_model_dir, kind):
     engine = Engine.from_model_dir(tiny_onnx_model_dir, EngineConfig(prefill_chunk=8))
     config = CacheConfig(policy="kvpop", budget=12, options=dict(sinks=2, scorer=kind))
     def allocate(request: GenerationRequest):  # a request as the engine reads it, given its cache
-        pending = engine.read(request)
-        return engine.cache_manager.allocate(request, pending.budget, pending.policy).cache
+        return engine.cache_manager.allocate(request, engine.read(request).plan).cache
 
     cache = allocate(GenerationRequest("a", list(range(3, 40)), SamplingParams(max_tokens=4), config))
     assert cache.policy.decode_group(cache) is None  # empty: still filling up

@@ -50,10 +50,10 @@ def test_a_whole_prompt_prefill_holds_its_prompt_until_the_first_token():
 
 def test_what_a_prefill_holds_is_the_schedulers_whole_prompt_decision(decoder):
     whole = Engine(decoder, EngineConfig(prefill_chunk=8, whole_prompt_tokens=64))
-    assert whole.read(request("short", budget=16, prompt=40)).prefill_slots == 40
-    assert whole.read(request("long", budget=16, prompt=100)).prefill_slots == 0  # evicts while prefilling
-    assert whole.read(request("full", budget=None, prompt=40)).prefill_slots == 0  # a full cache holds its prompt anyway
-    assert Engine(decoder, EngineConfig(prefill_chunk=8)).read(request("never-whole", budget=16)).prefill_slots == 0
+    assert whole.read(request("short", budget=16, prompt=40)).plan.prefill_slots == 40
+    assert whole.read(request("long", budget=16, prompt=100)).plan.prefill_slots == 0  # evicts while prefilling
+    assert whole.read(request("full", budget=None, prompt=40)).plan.prefill_slots == 0  # a full cache holds its prompt anyway
+    assert Engine(decoder, EngineConfig(prefill_chunk=8)).read(request("never-whole", budget=16)).plan.prefill_slots == 0
 
 
 def test_the_ledger_outlives_an_engine_and_sees_what_the_engine_holds(decoder):
@@ -62,7 +62,7 @@ def test_the_ledger_outlives_an_engine_and_sees_what_the_engine_holds(decoder):
     first.add_request(request("a", budget=None, prompt=20, max_tokens=8))  # reserved at once: the pool is empty
     restarted = Engine(decoder, EngineConfig(prefill_chunk=8), reservations=pool)  # after a failure
     assert restarted.cache_manager.reserved_bytes == 64 * decoder.spec.kv_bytes_per_token
-    first.waiting.remove({"a"})  # the first engine failed: what waited in it leaves its reservation ...
+    first.scheduler.waiting.remove({"a"})  # the first engine failed: what waited in it leaves its reservation ...
     assert pool.reserved_bytes == 0
     restarted.add_request(request("a", budget=None, prompt=20, max_tokens=8))  # ... and queues in the new one
     restarted.step()

@@ -58,7 +58,7 @@ def test_no_warm_prefix_for_a_cache_that_prefills_whole(decoder):
 
 
 def test_a_whole_prompt_prefill_says_what_it_holds_beyond_its_cache(decoder):
-    """What admission reserves beyond the cache until the first token (`Pending.prefill_slots`) and kv_bytes_in_use while the
+    """What admission reserves beyond the cache until the first token (`AdmissionPlan.prefill_slots`) and kv_bytes_in_use while the
     prompt's pieces are staged."""
     engine = Engine(decoder, EngineConfig(prefill_chunk=8, max_step_tokens=8, whole_prompt_tokens=len(PROMPT)))
 
@@ -66,9 +66,9 @@ def test_a_whole_prompt_prefill_says_what_it_holds_beyond_its_cache(decoder):
         config = CacheConfig(policy=policy, budget=None if policy == "full" else 16, options=dict(sinks=2, window=4))
         return GenerationRequest(f"{policy}-{len(prompt)}", prompt, SamplingParams(max_tokens=4, ignore_eos=True), config)
 
-    assert engine.read(request("streaming")).prefill_slots == len(PROMPT)
-    assert engine.read(request("h2o")).prefill_slots == engine.read(request("full")).prefill_slots == 0
-    assert engine.read(request("streaming", PROMPT + PROMPT[1:9])).prefill_slots == 0  # longer: evicts while prefilling
+    assert engine.read(request("streaming")).plan.prefill_slots == len(PROMPT)
+    assert engine.read(request("h2o")).plan.prefill_slots == engine.read(request("full")).plan.prefill_slots == 0
+    assert engine.read(request("streaming", PROMPT + PROMPT[1:9])).plan.prefill_slots == 0  # longer: evicts while prefilling
     engine.add_request(request("streaming"))
     engine.step(), engine.step()  # two 8-token pieces of the 80-token chunk, staged beside the cache
     bytes_per_token = decoder.spec.kv_bytes_per_token

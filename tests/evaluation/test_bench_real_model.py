@@ -100,29 +100,29 @@ def test_the_memory_workload_queues_full_caches_and_admits_every_kvpop_cache_und
     from kvpop.model_spec import ModelSpec
     from kvpop.policies import load_policy_assets
     from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
-    from kvpop.engine.admission import AdmissionPolicy, Pending, WaitingQueue
+    from kvpop.engine.admission import Pending
 
     spec = ModelSpec("LlamaForCausalLM", num_layers=30, num_attention_heads=9, num_kv_heads=3, head_dim=64, vocab_size=49152,
                      dtype="float32", max_position_embeddings=8192)
     memory = real_service.workloads(memory_users=8)["memory"]
-    scheduler = Scheduler(EngineConfig(prefill_chunk=256, min_bounded_chunk=64, whole_prompt_tokens=4096), has_mixed_step=True)
+    config = EngineConfig(prefill_chunk=256, min_bounded_chunk=64, whole_prompt_tokens=4096, min_kv_budget=64, max_queue_size=64)
     for cache, first_wave in ((CacheConfig(policy="full"), 4), (CacheConfig(policy="kvpop", compression=0.88, options=dict(scorer="mlstm")), 3)):
         manager = CacheManager(spec, policy_assets=load_policy_assets(tiny_onnx_model_dir),
                                reservations=KVReservations(real_service.pool_mb(spec, memory) * 2**20, spec))
-        admission = WaitingQueue(manager, AdmissionPolicy(min_kv_budget=64, max_queue_size=64))
+        scheduler = Scheduler(config, has_mixed_step=True, manager=manager)
+        admission = scheduler.waiting
 
-        def read(index: int) -> Pending:  # as Engine.read: the policy built, the budget resolved, the prefill's hold
-            request = GenerationRequest(f"u{index}", [5] * memory.prompt_tokens, SamplingParams(max_tokens=memory.output_tokens), cache)
-            policy, budget = manager.policy_for(cache), cache.resolve_budget(memory.prompt_tokens, memory.output_tokens)
-            return Pending(request, policy, budget, memory.prompt_tokens if scheduler.prefills_whole(policy, budget, memory.prompt_tokens) else 0)
+        def read(index: int) -> Pending:  # as Engine.read: the manager's plan (policy, budget, the prefill's hold)
+            return scheduler.read(GenerationRequest(f"u{index}", [5] * memory.prompt_tokens,
+                                                    SamplingParams(max_tokens=memory.output_tokens), cache))
 
         requests = [read(index) for index in range(memory.clients)]
         admitted = [request if admission.reserve(request) else None for request in requests]
-        assert sum(a is not None for a in admitted) == first_wave and all(a.degraded_from is None for a in admitted if a)
+        assert sum(a is not None for a in admitted) == first_wave and all(a.plan.degraded_from is None for a in admitted if a)
         if cache.policy == "kvpop":
             for request, admission_now in zip(requests, admitted):
                 if admission_now is not None:
                     manager.prefill_done(request.request_id)  # their first tokens: the prompts are no longer held
             for request in requests[first_wave:]:  # each, once the one before it has its first token
-                assert admission.reserve(request) and request.degraded_from is None
+                assert admission.reserve(request) and request.plan.degraded_from is None
                 manager.prefill_done(request.request_id)

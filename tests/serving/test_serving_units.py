@@ -23,26 +23,25 @@ def request(policy="full", budget=None, prompt=40, max_tokens=2000, request_id="
                              CacheConfig(policy, budget=budget))
 
 
-def pending(request: GenerationRequest, prefill_slots: int = 0) -> Pending:
-    """The request as the engine reads it (kvpop.engine.Engine.read): its budget resolved once."""
-    budget = request.cache.resolve_budget(len(request.prompt_ids), request.sampling.max_tokens)
-    return Pending(request, request.cache.build_policy(), budget, prefill_slots)
-
-
 class Pool:
-    """The engine's admission over a cache manager whose KV pool holds `slots` slots per head."""
+    """The scheduler's admission over a cache manager whose KV pool holds `slots` slots per head."""
 
     def __init__(self, slots: int, floor: int = 64, queue: int = 2) -> None:
+        self.floor = floor
         self.manager = CacheManager(SPEC, reservations=KVReservations(slots * SPEC.kv_bytes_per_token, SPEC))
         self.admission = WaitingQueue(self.manager, AdmissionPolicy(floor, queue))
 
-    def try_admit(self, request: GenerationRequest, prefill_slots: int = 0) -> Pending | None:
-        admitted = pending(request, prefill_slots)
+    def read(self, request: GenerationRequest, whole_prompt: bool = False) -> Pending:
+        """The request as the scheduler reads it: the manager's plan (`whole_prompt`: its prefill holds its prompt)."""
+        return Pending(request, self.manager.plan(request, self.floor, lambda policy, budget, prompt: whole_prompt))
+
+    def try_admit(self, request: GenerationRequest, whole_prompt: bool = False) -> Pending | None:
+        admitted = self.read(request, whole_prompt)
         return admitted if self.admission.reserve(admitted) else None
 
     def fits_when_idle(self, request: GenerationRequest) -> bool:
         try:
-            self.admission.check_fits(pending(request))
+            self.admission.check_fits(self.read(request))
         except ValueError:
             return False
         return True
@@ -50,20 +49,20 @@ class Pool:
 
 def test_admission_reserves_the_padded_batch_pool():
     pool = Pool(slots=1024)
-    assert pool.try_admit(request("streaming", 256, request_id="a")).storage_slots == 256
-    assert pool.try_admit(request("streaming", 256, request_id="b")).storage_slots == 256
+    assert pool.try_admit(request("streaming", 256, request_id="a")).plan.storage_slots == 256
+    assert pool.try_admit(request("streaming", 256, request_id="b")).plan.storage_slots == 256
     assert pool.manager.reserved_bytes == 2 * 256 * 512
     # A third sequence of 320 slots pads every row to 320 (3 x 320 = 960 <= 1024) ...
-    assert pool.try_admit(request("h2o", 320, request_id="c")).storage_slots == 320
+    assert pool.try_admit(request("h2o", 320, request_id="c")).plan.storage_slots == 320
     # ... and a fourth of 64 would need 4 x 320 slots: it may not be degraded below 64, so it waits.
     assert pool.try_admit(request("tova", 64, request_id="d")) is None
     pool.manager.release("c")
-    assert pool.try_admit(request("tova", 64, request_id="d")).storage_slots == 64
+    assert pool.try_admit(request("tova", 64, request_id="d")).plan.storage_slots == 64
 
 
 def test_full_cache_needs_prompt_plus_max_tokens_and_is_never_degraded():
     pool = Pool(slots=256)
-    assert pending(request("full", prompt=100, max_tokens=100)).storage_slots == 256  # 200 rounded up to blocks
+    assert pool.read(request("full", prompt=100, max_tokens=100)).plan.storage_slots == 256  # 200 rounded up to blocks
     assert pool.try_admit(request("full", prompt=100, max_tokens=100, request_id="a")) is not None
     assert pool.try_admit(request("full", prompt=10, max_tokens=10, request_id="b")) is None
     assert not pool.fits_when_idle(request("full", prompt=300, max_tokens=10))
@@ -80,7 +79,7 @@ def test_a_tight_pool_degrades_bounded_requests_down_to_the_floor():
     pool = Pool(slots=2048, floor=256)
     pool.try_admit(request("streaming", 1024, request_id="holder"))
     degraded = pool.try_admit(request("kvpop", 1500, request_id="big"))
-    assert degraded.degraded_from == 1500 and degraded.budget == 1024
+    assert degraded.plan.degraded_from == 1500 and degraded.plan.budget == 1024
     assert pool.try_admit(request("kvpop", 1500, request_id="another")) is None  # would fall below the floor
 
 
@@ -89,20 +88,20 @@ def test_admission_respects_what_the_engine_really_holds():
     pool.manager.reservations.in_use_bytes = 1000 * SPEC.kv_bytes_per_token  # finished rows not repacked away yet
     assert pool.try_admit(request("streaming", 256)) is None
     pool.manager.reservations.in_use_bytes = 900 * SPEC.kv_bytes_per_token
-    assert pool.try_admit(request("streaming", 256, request_id="a")).storage_slots == 64  # degraded to fit beside them
+    assert pool.try_admit(request("streaming", 256, request_id="a")).plan.storage_slots == 64  # degraded to fit beside them
     pool.manager.observe_in_use()  # the manager itself holds nothing
-    assert pool.try_admit(request("streaming", 256, request_id="b")).storage_slots == 256
+    assert pool.try_admit(request("streaming", 256, request_id="b")).plan.storage_slots == 256
 
 
 def test_a_whole_prompt_prefill_is_reserved_until_its_first_token():
     pool = Pool(slots=2048)
-    alone = pool.try_admit(request("kvpop", 128, prompt=900, request_id="a"), prefill_slots=900)
-    assert alone.storage_slots == 128 and pool.manager.reserved_bytes == (128 + 900) * 512  # alone: admitted, its prompt counted
+    alone = pool.try_admit(request("kvpop", 128, prompt=900, request_id="a"), whole_prompt=True)
+    assert alone.plan.storage_slots == 128 and pool.manager.reserved_bytes == (128 + 900) * 512  # alone: admitted, its prompt counted
     # A second long prompt prefilling at the same time would not fit beside it, at any budget: it waits.
-    assert pool.try_admit(request("kvpop", 128, prompt=900, request_id="b"), prefill_slots=900) is None
+    assert pool.try_admit(request("kvpop", 128, prompt=900, request_id="b"), whole_prompt=True) is None
     pool.manager.prefill_done("a")  # a's first token: only its budget is held now
     assert pool.manager.reserved_bytes == 128 * 512
-    assert pool.try_admit(request("kvpop", 128, prompt=900, request_id="b"), prefill_slots=900).storage_slots == 128
+    assert pool.try_admit(request("kvpop", 128, prompt=900, request_id="b"), whole_prompt=True).plan.storage_slots == 128
     pool.manager.release("b")  # finished or failed before its first token: the prompt's reservation goes too
     assert pool.manager.reserved_bytes == 128 * 512
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from dataclasses import replace
@@ -13,8 +14,10 @@ from kvpop.decoder import DecoderStep
 from kvpop.engine import Engine, EngineConfig
 from kvpop.request import CacheConfig, GenerationRequest, SamplingParams
 from kvpop.model_spec import ModelSpec
+from kvpop.cache.manager import CacheManager
 from kvpop.cache.reservations import KVReservations
 from kvpop.engine.admission import OverloadedError
+from kvpop.serving.contract import ErrorKind
 from kvpop.serving.kvpop_engine.metrics import NullMetrics, SequenceCounts
 from kvpop.serving.kvpop_engine.parse import ParsedRequest
 from kvpop.serving.kvpop_engine.worker import EngineWorker
@@ -295,3 +298,114 @@ def test_a_request_is_read_once_and_its_degradation_is_in_its_statistics(tiny_on
     assert (result.degraded_from, result.budget, metrics.degraded) == (1000, 512, 1)
     assert squeezed.responses[-1]["kv_budget"][0, 0] == 512
     assert counts == {"resolve_budget": 2, "build_policy": 2}  # once per request
+
+
+class ManagerVisits:
+    """Which cache manager calls read one request's cache configuration: every CacheManager method is wrapped
+    (the real one still runs), and the configuration notes a read of any of its fields while one runs."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.visits: list[str] = []  # the outermost manager calls that read the configuration, in order
+        self._local = threading.local()  # per thread: [method name, whether it read the configuration]
+        for name, member in list(vars(CacheManager).items()):
+            if inspect.isfunction(member) and not name.startswith("__"):
+                monkeypatch.setattr(CacheManager, name, self._watched(name, member))
+
+    def _watched(self, name: str, method):
+        def watched(manager, *args, **kwargs):
+            if getattr(self._local, "call", None) is not None:
+                return method(manager, *args, **kwargs)
+            self._local.call = call = [name, False]
+            try:
+                return method(manager, *args, **kwargs)
+            finally:
+                self._local.call = None
+                if call[1]:
+                    self.visits.append(name)
+        return watched
+
+    def config(self, *args, **kwargs) -> CacheConfig:
+        visits = self
+
+        class WatchedConfig(CacheConfig):
+            def __getattribute__(self, name):
+                call = getattr(visits._local, "call", None)
+                if call is not None:
+                    call[1] = True
+                return super().__getattribute__(name)
+
+        return WatchedConfig(*args, **kwargs)
+
+
+def test_a_request_reaches_the_cache_manager_once(tiny_onnx_model_dir, monkeypatch):
+    """From `EngineWorker.submit` through admission, a warm prefix's reuse, its first token and its end, the
+    cache manager reads the request's cache configuration in one call: the plan admission, the reservation,
+    the allocation and the result then share."""
+    from transformers import AutoTokenizer
+
+    watch = ManagerVisits(monkeypatch)
+    decoder = DecoderStep(tiny_onnx_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_onnx_model_dir / "tokenizer")
+
+    def engine() -> Engine:
+        made = Engine(decoder, EngineConfig(prefill_chunk=8, min_kv_budget=8), tokenizer=tokenizer)
+        assert made.warm_prefix(list(range(5, 21)), CacheConfig("streaming", budget=16)) == 16
+        return made
+
+    metrics = FinishedResults()
+    worker = EngineWorker(engine, tokenizer, metrics, idle_wait=0.01).start()
+    try:
+        channel = ListChannel()
+        request = GenerationRequest("walked", list(range(5, 30)), SamplingParams(max_tokens=6, ignore_eos=True),
+                                    watch.config("streaming", budget=16))
+        worker.submit(ParsedRequest(request, stream=True), channel)
+        assert channel.done.wait(30) and len(channel.ids()) == 6 and not channel.errors
+    finally:
+        worker.stop()
+    assert metrics.results["walked"].prefix_tokens_reused == 16
+    assert watch.visits == ["plan"]
+
+
+def test_an_engine_failure_fails_the_running_and_moves_the_waiting_to_a_new_engine(tiny_onnx_model_dir, monkeypatch):
+    """A decoder call that raises once fails the engine's step: the request it was running gets an INTERNAL
+    error, the two waiting for a place in the batch move to a new engine and complete there, and the KV pool's
+    ledger (shared by both engines) ends with nothing reserved."""
+    from transformers import AutoTokenizer
+
+    decoder = DecoderStep(tiny_onnx_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_onnx_model_dir / "tokenizer")
+    spec = ModelSpec.load(tiny_onnx_model_dir)
+    pool = KVReservations(4096 * spec.kv_bytes_per_token, spec)
+    engines: list[Engine] = []
+
+    def engine() -> Engine:
+        engines.append(Engine(decoder, EngineConfig(max_batch_size=1), tokenizer=tokenizer, reservations=pool))
+        return engines[-1]
+
+    fault = threading.Event()
+    real_run = decoder.run
+
+    def run(*args, **kwargs):
+        if fault.is_set():
+            fault.clear()
+            raise RuntimeError("device lost")
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(decoder, "run", run)
+    worker = EngineWorker(engine, tokenizer, idle_wait=0.01).start()
+    try:
+        running, waiting = ListChannel(), [ListChannel(), ListChannel()]
+        worker.submit(parsed("running", stream=True, max_tokens=60_000, budget=64, ignore_eos=True), running)
+        while not running.responses:
+            time.sleep(0.01)
+        for index, channel in enumerate(waiting):
+            worker.submit(parsed(f"waiting{index}", stream=False, max_tokens=8, budget=64, ignore_eos=True), channel)
+        assert engines[0].state().waiting == ("waiting0", "waiting1") and pool.reserved_bytes > 0
+        fault.set()
+        assert running.done.wait(30) and all(channel.done.wait(60) for channel in waiting)
+    finally:
+        worker.stop()
+    assert running.errors == [("engine step failed: RuntimeError: device lost", ErrorKind.INTERNAL)]
+    assert all(not channel.errors and len(channel.ids()) == 8 for channel in waiting)
+    assert len(engines) == 2 and worker.engine is engines[1] and not engines[1].has_unfinished()
+    assert pool.reserved_bytes == 0

@@ -2,9 +2,9 @@
 
 Why a thread: Triton calls `execute` with whatever requests have arrived; a decoupled model returns
 at once and answers later through each request's response sender. The worker is the bridge: it hands
-each request to the engine (which queues it and admits it by KV memory: kvpop.engine.admission), steps
-the engine, streams tokens (or sends one final answer) as each step produces them, and cancels in the
-engine what a client left, so its slots are freed within one step.
+each request to the engine (whose scheduler queues it and admits it by KV memory), steps the engine,
+streams tokens (or sends one final answer) as each step produces them, and cancels in the engine what a
+client left, so its slots are freed within one step.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ class EngineWorker:
     @property
     def num_queued(self) -> int:
         """Requests waiting for KV memory."""
-        return self.engine.waiting.waiting_for_memory
+        return self.engine.scheduler.waiting.waiting_for_memory
 
     @property
     def num_active(self) -> int:
@@ -263,7 +263,7 @@ class EngineWorker:
             state = failed.state()
             for request_id in state.prefilling + state.decoding:
                 failed.cache_manager.release(request_id)
-            waiting = failed.waiting.remove(set(state.waiting))
+            waiting = failed.scheduler.waiting.remove(set(state.waiting))
             for pending in waiting:
                 try:
                     self.engine.add_request(pending.request)

@@ -90,7 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scorer-window", type=int, default=64, help="protected window of such untrained scorers")
     parser.add_argument("--out-dir", type=Path, default=Path("build/results/speed"))
     args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="kvpop-speed-") as work:  # a random model and scratch scorers, gone after
+        return run(args, Path(work))
 
+
+def run(args: argparse.Namespace, work: Path) -> int:
     import psutil
 
     began = time.perf_counter()
@@ -105,7 +109,6 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, key) is not None:
             plan[key] = getattr(args, key)
     plan["threads"] = args.threads
-    work = Path(tempfile.mkdtemp(prefix="kvpop-speed-"))
     random_weights = args.model is None
     if args.model is None:
         args.model, args.hf_model = prepare_model(work, args.quick)

@@ -336,10 +336,10 @@ $(LLAMACPP_SERVER): | $(SETUP_STAMP)
 	cmake --build $(LLAMACPP_DIR)/cmake-build --target llama-server llama-quantize -j$(THREADS)
 
 PEERS_ARGS ?= --workloads prefill longgen chat --repetitions 2
-bench-peers: setup model $(LLAMACPP_SERVER)  ## [benchmark] SmolLM2: the real server (full, kvpop 88%) vs llama.cpp's server at Q4_1 / F16 / F32, same prompts and clients: build/results/peers-smollm2/
+bench-peers: setup model $(LLAMACPP_SERVER)  ## [benchmark] SmolLM2: the real server (full, kvpop 88%) vs llama.cpp's server at Q4_1 / F16 / F32, same prompts and clients, one pass (~16 min): build/results/peers-smollm2/
 	@test -f $(REAL_BENCH_MODEL)/model_spec.json || { echo "no exported model: run 'make export' first"; exit 1; }
 	$(PY) -m kvpop_eval.bench.real_service --model $(REAL_BENCH_MODEL) --hf-model $(REAL_MODEL) \
-		--systems full kvpop llamacpp:Q4_1 llamacpp:F16 llamacpp:F32 --once --out-dir $(RESULTS_OUT)/peers-smollm2 $(PEERS_ARGS)
+		--systems full kvpop llamacpp:Q4_1 llamacpp:F16 llamacpp:F32 --once --repetitions 1 --out-dir $(RESULTS_OUT)/peers-smollm2 $(PEERS_ARGS)
 
 bench-step-split: setup  ## [benchmark] a decode step's time split into weights and KV traffic (measured bandwidth; an H100's predicted): build/results/step-split/
 	$(PY) -m kvpop_eval.bench.step_split --model $(SPEED_MODEL) --out-dir $(RESULTS_OUT)/step-split

@@ -412,14 +412,37 @@ def headline_table(results: dict[str, dict | None], manifest: dict) -> str:
             speed = "; ".join(f"({w['name']}) {ratio_range(service, w['name'], key)}" for w in service["workloads"])
             lines.append(f"| service output tokens/s, kvpop at 88% vs the {against} (reference model) | | | | "
                          f"{speed} | | `{spec.command}` |")
-    shown = (*HEADLINE_QUALITY, "multiturn", "service-reference")
+    for name, systems in (("service-smollm2", ("full", "classic")), ("peers-smollm2", ("llamacpp:F32", "llamacpp:F16"))):
+        lines += real_service_headline(name, results.get(name), systems)
+    shown = (*HEADLINE_QUALITY, "multiturn", "service-reference", "service-smollm2", "peers-smollm2")
     commits = sorted({manifest.get(name, {}).get("commit", "unknown")[:12] for name in shown if results.get(name)})
     legend = ("Cells: accuracy [95% Wilson interval], fraction of the full cache's accuracy [95% paired bootstrap], tasks only "
               "this policy / only the full cache answers. Service workloads: (a) 2,048-token prompts, (c) many users in a "
-              "KV pool of 4 full sequences, (d) short chat prompts; ranges over 1-8 clients. "
+              "KV pool of 4 full sequences, (d) short chat prompts; ranges over 1-8 clients. SmolLM2's workloads: "
+              "prefill-heavy (1,750-token prompts), long generation (384 output tokens), memory-bound (8 users, 2,048-token "
+              "prompts, a KV pool of 4 full sequences), chat (100-token prompts); medians over the run's repetitions. "
               f"Produced at commit {', '.join(f'`{c}`' for c in commits) or '(none yet)'}; "
               "tables with every row: [docs/QUALITY.md](docs/QUALITY.md), [docs/PERFORMANCE.md](docs/PERFORMANCE.md).")
     return "\n".join(lines) + "\n\n" + legend + "\n"
+
+
+def real_service_headline(name: str, service: dict | None, systems: tuple[str, ...]) -> list[str]:
+    """README rows for a SmolLM2 service run: kvpop's output rate against each of `systems`, per workload."""
+    spec = SPECS[name]
+    if service is None:
+        return [f"| {spec.title}: not published yet | | | | | | `{spec.command}` |"]
+    rows = []
+    for system in systems:
+        ratios = [(workload["name"], service["ratios"][workload["name"]].get(system)) for workload in service["workloads"]]
+        speed = "; ".join(f"{REAL_WORKLOAD_NAMES.get(workload, workload)} {ratio['tps']:.2f}x" for workload, ratio in ratios if ratio)
+        rows.append(f"| service output tokens/s, kvpop at 88% vs {REAL_SYSTEM_NAMES.get(system, system)} (SmolLM2, real server) "
+                    f"| | | | {speed} | | `{spec.command}` |")
+    return rows
+
+
+REAL_WORKLOAD_NAMES = {"prefill": "prefill-heavy", "longgen": "long generation", "memory": "memory-bound", "chat": "chat"}
+REAL_SYSTEM_NAMES = {"full": "the full cache", "classic": "the classic design", "llamacpp:F32": "llama.cpp's server at F32",
+                     "llamacpp:F16": "llama.cpp's server at F16"}
 
 
 # -- rendering --------------------------------------------------------------------------------------

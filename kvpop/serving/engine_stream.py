@@ -2,9 +2,10 @@
 (kvpop.serving.kvpop_service.forwarder) and the OpenAI API (kvpop.openai_api.engine_client) share.
 
 Input tensors are typed by the contract (kvpop.serving.contract: each input's declared datatype), the
-outputs asked for are the contract's, and the stream is cancelled whenever its reader stops before the
-engine's final response (the client went away, an error): the engine then frees the sequence's slots at
-its next step.
+outputs asked for are the contract's. The stream is cancelled whenever its reader stops before the
+engine's final response (the client went away, a failure on the reader's side): the engine then frees the
+sequence's slots at its next step. After the final response (an error response is one) it is read to its
+end instead, never cancelled.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ async def stream_generate(client: Any, inputs: dict[str, np.ndarray], parameters
                           ) -> AsyncIterator[Any]:
     """Yield each of the engine's responses (tritonclient InferResult) to one request, the final one (its
     `finish_reason` set) last. `client`: a tritonclient.grpc.aio.InferenceServerClient; `output_names`: the
-    contract's outputs to ask for. Raises StreamError on an error response; stopping early (or an error)
-    cancels the stream."""
+    contract's outputs to ask for. Raises StreamError on an error response (the request's last); stopping
+    before the final response cancels the stream."""
     import tritonclient.grpc as grpc_client
     from tritonclient.utils import np_to_triton_dtype
 

@@ -4,7 +4,7 @@ from kvpop.sessions.checkpoint import CheckpointError, read_checkpoint, write_ch
 from kvpop.sessions.fingerprint import model_fingerprint
 from kvpop.sessions.ids import MAX_SESSION_ID_LENGTH, InvalidSessionId, SessionKey, validate_session_id
 from kvpop.sessions.state import SessionState
-from kvpop.sessions.limits import COLD, HOT, TIERS, WARM, StoreCounters, TierLimits
+from kvpop.sessions.limits import COLD, HOT, TIERS, WARM, TierLimits
 from kvpop.sessions.store import SessionStore
 
 __all__ = [

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 from kvpop.sessions.checkpoint import SUFFIX, CheckpointError, read_checkpoint
-from kvpop.sessions.limits import COLD, HOT, TIERS, WARM, StoreCounters, TierLimits
+from kvpop.sessions.limits import COLD, HOT, WARM, StoreCounters, TierLimits
 from kvpop.sessions.evict_policy import LRUPolicy
 from kvpop.sessions.ids import SessionKey
 from kvpop.sessions.state import SessionState

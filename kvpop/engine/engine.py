@@ -153,6 +153,14 @@ class Engine:
             waiting = tuple(pending.request_id for pending in self.scheduler.waiting)
             return EngineState(waiting, tuple(self._prefilling), tuple(self._running))
 
+    def abandon(self) -> list[Pending]:
+        """This engine failed and is given up: every reservation it holds goes back to the ledger (which
+        outlives engines); its waiting requests are handed back to be read again by the next engine."""
+        with self._lock:
+            for request_id in (*self._prefilling, *self._running):
+                self.cache_manager.release(request_id)
+            return self.scheduler.waiting.remove({pending.request_id for pending in self.scheduler.waiting})
+
     def sequence(self, request_id: str) -> SequenceState | None:
         """An admitted request's progress and cache (read only); None unless it is prefilling or decoding."""
         if request_id in self._running:

@@ -256,14 +256,11 @@ class EngineWorker:
             pass
 
     def _fail_running(self, message: str) -> None:
-        """The engine failed: its running requests fail with it, its waiting ones move to a new engine; the
-        KV reservations (a ledger that outlives engines) of both are released first."""
+        """The engine failed: its running requests fail with it, its waiting ones move to a new engine
+        (`Engine.abandon` releases the KV reservations of both first)."""
         with self._condition:
             failed, self.engine = self.engine, self._engine_factory()
-            state = failed.state()
-            for request_id in state.prefilling + state.decoding:
-                failed.cache_manager.release(request_id)
-            waiting = failed.scheduler.waiting.remove(set(state.waiting))
+            waiting = failed.abandon()
             for pending in waiting:
                 try:
                     self.engine.add_request(pending.request)

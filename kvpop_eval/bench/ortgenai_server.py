@@ -10,7 +10,9 @@ exactly n tokens (the minimum is the maximum, so EOS never ends a request early)
 One thread drives the engine; every request joins it through a queue. On CPU the 0.18 Engine batches
 statically: the requests waiting when a batch starts (up to --max-batch) run together to the last token of
 the longest, and a request arriving meanwhile waits until that whole batch is done (its continuous batching
-needs paged attention, which the model builder makes for CUDA and WebGPU only). It keeps no prefix cache.
+needs paged attention, which the model builder makes for CUDA and WebGPU only). So an idle server, as a
+simple batcher does, waits --max-wait-ms after a first request for others to join its batch. It keeps no
+prefix cache.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 import json
 import queue
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -32,7 +35,8 @@ class EngineLoop:
     """The engine, owned by one thread (the library allows no other): requests queue here, their tokens
     come back on their own queues."""
 
-    def __init__(self, model_dir: Path, max_batch: int, max_length: int | None, threads: int) -> None:
+    def __init__(self, model_dir: Path, max_batch: int, max_wait_s: float, max_length: int | None, threads: int) -> None:
+        self.max_batch, self.max_wait_s = max_batch, max_wait_s
         model = json.loads((model_dir / "genai_config.json").read_text())["model"]
         self.vocab_size = int(model["vocab_size"])
         self.max_length = min(max_length or model["context_length"], model["context_length"])
@@ -65,6 +69,16 @@ class EngineLoop:
             return
         self._streams[id(request)] = (request, messages)
 
+    def _gather_batch(self) -> None:
+        """Wait for a first request, then up to max_wait_s for others to start the batch with it."""
+        self._admit(*self._arrivals.get())
+        deadline = time.monotonic() + self.max_wait_s
+        for _ in range(self.max_batch - 1):
+            try:
+                self._admit(*self._arrivals.get(timeout=max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                return
+
     def _run(self) -> None:
         try:
             self.engine = og.Engine(og.Model(self.config))
@@ -72,7 +86,7 @@ class EngineLoop:
             self.ready.set()
             while True:
                 if not self.engine.has_pending_requests():
-                    self._admit(*self._arrivals.get())
+                    self._gather_batch()
                 while not self._arrivals.empty():
                     self._admit(*self._arrivals.get_nowait())
                 for event in self.engine.run(buffer):
@@ -161,10 +175,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", type=Path, required=True, help="a model directory the ONNX Runtime GenAI builder wrote")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--max-batch", type=int, default=8, help="requests one static batch holds")
+    parser.add_argument("--max-wait-ms", type=float, default=10.0, help="how long an idle server waits for a batch to fill")
     parser.add_argument("--max-length", type=int, default=None, help="prompt + output tokens per request (default: the model's)")
     parser.add_argument("--threads", type=int, default=2, help="onnxruntime intra-op threads")
     args = parser.parse_args(argv)
-    loop = EngineLoop(args.model, args.max_batch, args.max_length, args.threads)
+    loop = EngineLoop(args.model, args.max_batch, args.max_wait_ms / 1e3, args.max_length, args.threads)
     loop.ready.wait()
     if loop.failed is not None:
         raise SystemExit(f"the engine did not start: {loop.failed}")

@@ -17,9 +17,8 @@ import subprocess
 from pathlib import Path
 
 from kvpop_eval.bench import peers
-from kvpop_eval.bench.service import RequestTiming
+from kvpop_eval.bench.service import REPO_ROOT, RequestTiming
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 LLAMACPP_BIN = REPO_ROOT / "build" / "llamacpp" / "cmake-build" / "bin"
 PRECISIONS = ("Q4_1", "F16", "F32")
 

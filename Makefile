@@ -352,7 +352,7 @@ $(ORTGENAI_DIR)/%/genai_config.json: $(ORTGENAI_STAMP) $(REAL_MODEL_STAMP)
 	$(ORTGENAI_PY) -m onnxruntime_genai.models.builder -i $(REAL_MODEL) -o $(ORTGENAI_DIR)/$* -p $* -e cpu \
 		-c $(ORTGENAI_DIR)/cache >$(ORTGENAI_DIR)/build-$*.log 2>&1 || { tail -20 $(ORTGENAI_DIR)/build-$*.log; exit 1; }
 
-PEERS_ARGS ?= --workloads prefill longgen chat --repetitions 2
+PEERS_ARGS ?=
 bench-peers: setup model $(LLAMACPP_SERVER) $(ORTGENAI_MODELS)  ## [benchmark] SmolLM2: the real server (full, kvpop 88%) vs llama.cpp's server at Q4_1 / F16 / F32 and ONNX Runtime GenAI at fp32 / int4, same prompts and clients, one pass: build/results/peers-smollm2/
 	@test -f $(REAL_BENCH_MODEL)/model_spec.json || { echo "no exported model: run 'make export' first"; exit 1; }
 	$(PY) -m kvpop_eval.bench.real_service --model $(REAL_BENCH_MODEL) --hf-model $(REAL_MODEL) \

@@ -81,7 +81,7 @@ SPECS = {
                    "SmolLM2 through the real server: the full cache, kvpop at 88% and the classic design",
                    "make bench-service-real"),
         ResultSpec("peers-smollm2", "peers-smollm2/service.json",
-                   "SmolLM2 on the CPU: the real server against llama.cpp's server", "make bench-peers"),
+                   "SmolLM2 on the CPU: the real server against llama.cpp's server and ONNX Runtime GenAI", "make bench-peers"),
         ResultSpec("step-split", "step-split/step_split.json",
                    "SmolLM2's decode step: weights and KV traffic", "make bench-step-split"),
     )
@@ -412,7 +412,7 @@ def headline_table(results: dict[str, dict | None], manifest: dict) -> str:
             speed = "; ".join(f"({w['name']}) {ratio_range(service, w['name'], key)}" for w in service["workloads"])
             lines.append(f"| service output tokens/s, kvpop at 88% vs the {against} (reference model) | | | | "
                          f"{speed} | | `{spec.command}` |")
-    for name, systems in (("service-smollm2", ("full", "classic")), ("peers-smollm2", ("llamacpp:F32", "llamacpp:F16"))):
+    for name, systems in (("service-smollm2", ("full", "classic")), ("peers-smollm2", ("llamacpp:F32", "llamacpp:F16", "ortgenai:fp32", "ortgenai:int4"))):
         lines += real_service_headline(name, results.get(name), systems)
     shown = (*HEADLINE_QUALITY, "multiturn", "service-reference", "service-smollm2", "peers-smollm2")
     commits = sorted({manifest.get(name, {}).get("commit", "unknown")[:12] for name in shown if results.get(name)})
@@ -442,7 +442,8 @@ def real_service_headline(name: str, service: dict | None, systems: tuple[str, .
 
 REAL_WORKLOAD_NAMES = {"prefill": "prefill-heavy", "longgen": "long generation", "memory": "memory-bound", "chat": "chat"}
 REAL_SYSTEM_NAMES = {"full": "the full cache", "classic": "the classic design", "llamacpp:F32": "llama.cpp's server at F32",
-                     "llamacpp:F16": "llama.cpp's server at F16"}
+                     "llamacpp:F16": "llama.cpp's server at F16", "ortgenai:fp32": "ONNX Runtime GenAI at fp32",
+                     "ortgenai:int4": "ONNX Runtime GenAI at int4"}
 
 
 # -- rendering --------------------------------------------------------------------------------------

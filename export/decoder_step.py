@@ -22,7 +22,6 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 
-STEP_INPUT_NAMES = ["input_ids", "position_ids", "past_key", "past_value", "slot_mask"]
 STEP_OUTPUT_NAMES = ["logits", "new_key", "new_value", "attention", "chunk_attention"]
 
 
@@ -51,7 +50,8 @@ class SlotCacheDecoderStep(nn.Module):
     """forward(input_ids, position_ids, past_key, past_value, slot_mask) -> logits, new K/V, attention.
 
     Shapes: B sequences, T new tokens, S cache slots (may be 0), L layers, Hq query heads,
-    Hkv key/value heads, D head dim, V vocabulary.
+    Hkv key/value heads, D head dim, V vocabulary. The caches are (L, B, Hkv, S, D) tensors or, as
+    exported, tuples of L (B, Hkv, S, D) tensors (one graph input per layer: kvpop.decoder).
     """
 
     def __init__(self, causal_lm: nn.Module) -> None:
@@ -70,8 +70,8 @@ class SlotCacheDecoderStep(nn.Module):
         self,
         input_ids: torch.Tensor,  # (B, T) int64
         position_ids: torch.Tensor,  # (B, T) int64
-        past_key: torch.Tensor,  # (L, B, Hkv, S, D), RoPE applied
-        past_value: torch.Tensor,  # (L, B, Hkv, S, D)
+        past_key: torch.Tensor | tuple[torch.Tensor, ...],  # (L, B, Hkv, S, D) or L x (B, Hkv, S, D), RoPE applied
+        past_value: torch.Tensor | tuple[torch.Tensor, ...],  # (L, B, Hkv, S, D) or L x (B, Hkv, S, D)
         slot_mask: torch.Tensor,  # (B, S) bool, True where a slot holds a token
     ):
         [(hidden, new_key, new_value, attention, chunk_attention)] = self.run_segments(
@@ -173,7 +173,6 @@ class SlotCacheDecoderStep(nn.Module):
 
 
 MIXED_SEGMENTS = ("decode", "prompt")
-MIXED_INPUT_NAMES = [f"{segment}_{name}" for segment in MIXED_SEGMENTS for name in STEP_INPUT_NAMES]
 MIXED_OUTPUT_NAMES = [f"{segment}_{name}" for segment in MIXED_SEGMENTS for name in ("logits", "new_key", "new_value")]
 
 

@@ -19,38 +19,34 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from export.decoder_step import (
-    MIXED_INPUT_NAMES,
-    MIXED_OUTPUT_NAMES,
-    STEP_INPUT_NAMES,
-    STEP_OUTPUT_NAMES,
-    MixedDecoderStep,
-    SlotCacheDecoderStep,
-)
+from export.decoder_step import MIXED_OUTPUT_NAMES, MIXED_SEGMENTS, STEP_OUTPUT_NAMES, MixedDecoderStep, SlotCacheDecoderStep
+from kvpop.decoder import CACHE_INPUTS, step_input_names
 
 OPSET = 18
 
 
 def example_step_inputs(step: SlotCacheDecoderStep, num_layers: int, batch: int = 2, new_tokens: int = 3, slots: int = 4,
-                        dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+                        dtype: torch.dtype = torch.float32) -> tuple:
     """Small inputs with every dynamic dimension >= 2 and all of them different, so that the traced
-    graph reads each size from its own input."""
-    cache_shape = (num_layers, batch, step.num_kv_heads, slots, step.head_dim)
+    graph reads each size from its own input. The caches as tuples of per-layer tensors, which the
+    exporter flattens into one input each (`step_input_names`)."""
+    layer_shape = (batch, step.num_kv_heads, slots, step.head_dim)
     return (
         torch.zeros(batch, new_tokens, dtype=torch.int64),
         torch.arange(slots, slots + new_tokens).repeat(batch, 1),
-        torch.zeros(cache_shape, dtype=dtype),
-        torch.zeros(cache_shape, dtype=dtype),
+        tuple(torch.zeros(layer_shape, dtype=dtype) for _ in range(num_layers)),
+        tuple(torch.zeros(layer_shape, dtype=dtype) for _ in range(num_layers)),
         torch.ones(batch, slots, dtype=torch.bool),
     )
 
 
-def _step_axes(prefix: str, batch: str, tokens: str | None, slots: str) -> dict[str, dict[int, str]]:
+def _step_axes(prefix: str, num_layers: int, batch: str, tokens: str | None, slots: str) -> dict[str, dict[int, str]]:
     """The dynamic axes of a step's inputs and outputs (names prefixed as in the mixed step)."""
     tokens_axis = {1: tokens} if tokens else {}
     key_axes = {1: batch, **({3: tokens} if tokens else {})}
     axes = {"input_ids": {0: batch, **tokens_axis}, "position_ids": {0: batch, **tokens_axis},
-            "past_key": {1: batch, 3: slots}, "past_value": {1: batch, 3: slots}, "slot_mask": {0: batch, 1: slots},
+            **{f"{cache}.{layer}": {0: batch, 2: slots} for cache in CACHE_INPUTS for layer in range(num_layers)},
+            "slot_mask": {0: batch, 1: slots},
             "logits": {0: batch, **tokens_axis}, "new_key": key_axes, "new_value": key_axes,
             "attention": {1: batch, **({3: tokens} if tokens else {}), 4: slots},
             "chunk_attention": {1: batch, **({3: tokens, 4: tokens} if tokens else {})}}
@@ -116,8 +112,9 @@ def export_decoder_step(causal_lm: torch.nn.Module, onnx_path: Path, dtype: torc
     onnx_path = Path(onnx_path)
     onnx_path.parent.mkdir(parents=True, exist_ok=True)
     step = SlotCacheDecoderStep(causal_lm.eval()).eval()
-    model = _trace(step, example_step_inputs(step, len(step.decoder.layers), dtype=dtype),
-                   _step_axes("", "batch", "tokens", "slots"), STEP_INPUT_NAMES, STEP_OUTPUT_NAMES, onnx_path.parent)
+    layers = len(step.decoder.layers)
+    model = _trace(step, example_step_inputs(step, layers, dtype=dtype), _step_axes("", layers, "batch", "tokens", "slots"),
+                   step_input_names(layers), STEP_OUTPUT_NAMES, onnx_path.parent)
     onnx.save(model, str(onnx_path), save_as_external_data=True, all_tensors_to_one_file=True,
               location=onnx_path.name + ".data")
     return onnx_path
@@ -133,11 +130,12 @@ def export_mixed_step(causal_lm: torch.nn.Module, onnx_path: Path, weights_of: P
     layers = len(step.decoder.layers)
     decode = example_step_inputs(step, layers, batch=2, new_tokens=1, slots=5, dtype=dtype)
     prompt = example_step_inputs(step, layers, batch=3, new_tokens=4, slots=6, dtype=dtype)
-    axes = {**_step_axes("decode_", "decode_batch", None, "decode_slots"),
-            **_step_axes("prompt_", "prompt_batch", "prompt_tokens", "prompt_slots")}
-    names = set(MIXED_INPUT_NAMES) | set(MIXED_OUTPUT_NAMES)
+    axes = {**_step_axes("decode_", layers, "decode_batch", None, "decode_slots"),
+            **_step_axes("prompt_", layers, "prompt_batch", "prompt_tokens", "prompt_slots")}
+    input_names = [name for segment in MIXED_SEGMENTS for name in step_input_names(layers, f"{segment}_")]
+    names = set(input_names) | set(MIXED_OUTPUT_NAMES)
     model = _trace(step, decode + prompt, {name: dims for name, dims in axes.items() if name in names},
-                   MIXED_INPUT_NAMES, MIXED_OUTPUT_NAMES, onnx_path.parent)
+                   input_names, MIXED_OUTPUT_NAMES, onnx_path.parent)
     share_weights(model, Path(weights_of))
     onnx.save(model, str(onnx_path))  # the graph and the few weights the step does not store
     return onnx_path

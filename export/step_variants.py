@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvpop.decoder import variant_paths  # "lean": last-position logits, new keys/values; "attention": + attention
+from kvpop.decoder import split_caches, variant_paths  # "lean": last-position logits, new keys/values; "attention": + attention
 
 ATTENTION_OUTPUTS = ("attention", "chunk_attention")
 
@@ -122,6 +122,7 @@ def check_variants(decoder_path: Path, seed: int = 0) -> float:
         "past_value": rng.standard_normal(shape).astype(spec.dtype),
         "slot_mask": np.arange(slots)[None, :] < np.array([[slots], [slots - 3]]),
     }
+    feed = split_caches(feed)
     full = ort.InferenceSession(str(decoder_path), providers=["CPUExecutionProvider"])
     reference = dict(zip([output.name for output in full.get_outputs()], full.run(None, feed)))
     reference["logits"] = reference["logits"][:, -1:]
@@ -162,13 +163,13 @@ def check_mixed_step(decoder_path: Path, seed: int = 0) -> float:
     worst = 0.0
     for decode, prompt in ((segment(3, 1, 7), segment(2, 5, 9)), (segment(0, 1, 7), segment(2, 5, 9)), (segment(3, 1, 7), segment(0, 1, 0))):
         feed = {f"decode_{name}": value for name, value in decode.items()} | {f"prompt_{name}": value for name, value in prompt.items()}
-        outputs = mixed.run(None, feed)
+        outputs = mixed.run(None, split_caches(split_caches(feed, "decode_"), "prompt_"))
         for inputs, (logits, new_key, new_value) in ((decode, outputs[:3]), (prompt, outputs[3:])):
             if len(inputs["input_ids"]) == 0:
                 if logits.shape[0] or new_key.shape[1]:
                     raise ValueError(f"an empty segment gave outputs of shapes {logits.shape}, {new_key.shape}")
                 continue
-            reference = full.run(None, inputs)
+            reference = full.run(None, split_caches(inputs))
             for value, expected in ((logits, reference[0][:, -1:]), (new_key, reference[1]), (new_value, reference[2])):
                 if value.shape != expected.shape:
                     raise ValueError(f"mixed step output of shape {value.shape}, expected {expected.shape}")

@@ -27,6 +27,32 @@ def mixed_step_path(decoder_path: Path) -> Path:
     return Path(str(Path(decoder_path).with_suffix("")) + MIXED_SUFFIX)
 
 
+CACHE_INPUTS = ("past_key", "past_value")
+
+
+def step_input_names(num_layers: int, prefix: str = "") -> list[str]:
+    """The step graph's inputs, in order. The cache comes one tensor per layer (`past_key.0` ...
+    `past_key.{L-1}`, each (B, Hkv, S, D)): a layer that read its slice of one (L, B, Hkv, S, D)
+    input would make onnxruntime copy the whole cache into per-layer tensors on every step (a Split:
+    a third of a full cache's decode step at 4 x 2,048 tokens), while the slices of the host's
+    (L, ...) arrays go in as they are."""
+    names = ["input_ids", "position_ids", *(f"{cache}.{layer}" for cache in CACHE_INPUTS for layer in range(num_layers)),
+             "slot_mask"]
+    return [prefix + name for name in names]
+
+
+def split_caches(feed: dict, prefix: str = "") -> dict:
+    """`feed` (a step's inputs by name) with each whole cache array, (L, B, Hkv, S, D), replaced by its
+    per-layer inputs: views of it, not copies."""
+    split = {}
+    for name, value in feed.items():
+        if name.removeprefix(prefix) in CACHE_INPUTS:
+            split.update({f"{name}.{layer}": layer_value for layer, layer_value in enumerate(value)})
+        else:
+            split[name] = value
+    return split
+
+
 class StepInputs(NamedTuple):
     """One segment of a decoder call: B sequences' T new tokens over their own caches."""
 
@@ -107,6 +133,10 @@ class DecoderStep:
         else:
             first = self._load((True, False) if self.has_lean_variants else (False, True))
         self.dtype = np.dtype(self.spec.dtype)
+        if "past_key" in {graph_input.name.removeprefix("decode_") for graph_input in first.get_inputs()}:
+            raise RuntimeError(f"{self.model_dir} holds a decoder step whose cache is one input for every layer "
+                               "(an older export): run `make export` again")
+        self._device_id = device_id
         on_cuda = "CUDAExecutionProvider" in first.get_providers()
         self.device_store: DeviceKVStore | None = None
         if resident or (resident is None and on_cuda and (self.model_dir / SLOT_WRITER_FILE).exists()):
@@ -181,23 +211,34 @@ class DecoderStep:
         nothing = np.zeros((0, 1), np.int64)
         return StepInputs(nothing, nothing, past_key, past_value, slot_mask)
 
-    def _feed(self, inputs: StepInputs) -> dict[str, "np.ndarray | ort.OrtValue"]:
-        """A segment as the graph's inputs: contiguous arrays of its dtypes (device arrays as they are)."""
-        dtypes = {"input_ids": np.int64, "position_ids": np.int64, "past_key": self.dtype, "past_value": self.dtype, "slot_mask": bool}
-        return {
-            name: value if isinstance(value, ort.OrtValue) else np.ascontiguousarray(value, dtype=dtypes[name])
-            for name, value in inputs._asdict().items()
+    def _feed(self, inputs: StepInputs) -> dict[str, "np.ndarray | tuple[ort.OrtValue, int]"]:
+        """A segment as the graph's inputs: contiguous arrays of its dtypes, the caches' per-layer slices
+        as views of them (a device-resident cache as (OrtValue, layer): bound in place by `_run`)."""
+        dtypes = {"input_ids": np.int64, "position_ids": np.int64, "slot_mask": bool}
+        feed: dict[str, "np.ndarray | tuple[ort.OrtValue, int]"] = {
+            name: np.ascontiguousarray(getattr(inputs, name), dtype=dtype) for name, dtype in dtypes.items()
         }
+        for name in CACHE_INPUTS:
+            cache = getattr(inputs, name)  # (L, B, Hkv, S, D)
+            if isinstance(cache, ort.OrtValue):
+                feed.update({f"{name}.{layer}": (cache, layer) for layer in range(self.spec.num_layers)})
+            else:
+                feed[name] = np.ascontiguousarray(cache, dtype=self.dtype)
+        return split_caches(feed)
 
-    @staticmethod
-    def _run(session: ort.InferenceSession, feed: dict[str, "np.ndarray | ort.OrtValue"]) -> list[np.ndarray]:
-        """Run `session`; a cache already in device memory is bound in place (IO binding: not copied)."""
-        if not any(isinstance(value, ort.OrtValue) for value in feed.values()):
+    def _run(self, session: ort.InferenceSession, feed: dict[str, "np.ndarray | tuple[ort.OrtValue, int]"]) -> list[np.ndarray]:
+        """Run `session`; a cache already in device memory is bound in place, each layer at its offset in
+        the (L, B, Hkv, S, D) pool (IO binding: not copied)."""
+        if not any(isinstance(value, tuple) for value in feed.values()):
             return session.run(None, feed)
         binding = session.io_binding()
         for name, value in feed.items():
-            if isinstance(value, ort.OrtValue):
-                binding.bind_ortvalue_input(name, value)
+            if isinstance(value, tuple):
+                pool, layer = value
+                shape = pool.shape()[1:]  # (B, Hkv, S, D)
+                layer_bytes = pool.tensor_size_in_bytes() // pool.shape()[0]
+                binding.bind_input(name, pool.device_name(), self._device_id, pool.element_type(), shape,
+                                   pool.data_ptr() + layer * layer_bytes)
             else:
                 binding.bind_cpu_input(name, value)
         for output in session.get_outputs():  # small: logits, the new tokens' k/v, attention rows

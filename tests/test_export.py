@@ -41,6 +41,43 @@ def test_mixed_step_equals_the_step_on_each_segment_and_shares_its_weights(tiny_
     assert not (tiny_onnx_model_dir / (mixed_step_path(decoder_path).name + ".data")).exists()
 
 
+def test_every_step_graph_takes_the_cache_one_layer_per_input(tiny_onnx_model_dir, tmp_path):
+    """Each layer reads its own cache input where attention needs it: no graph slices or splits a
+    whole-cache tensor (onnxruntime would copy the whole cache on every step), and a directory holding
+    an older export, whose cache was one input for all layers, is told to export again."""
+    import onnx
+
+    from export.step_variants import variant_paths
+    from kvpop.decoder import mixed_step_path, step_input_names
+
+    spec = ModelSpec.load(tiny_onnx_model_dir)
+    decoder_path = tiny_onnx_model_dir / spec.decoder_file
+    graphs = {"step": (decoder_path, [""]), "mixed": (mixed_step_path(decoder_path), ["decode_", "prompt_"]),
+              **{name: (path, [""]) for name, path in variant_paths(decoder_path).items()}}
+    for name, (path, prefixes) in graphs.items():
+        graph = onnx.load(str(path), load_external_data=False).graph
+        inputs = [graph_input.name for graph_input in graph.input]
+        assert inputs == [input_name for prefix in prefixes for input_name in step_input_names(spec.num_layers, prefix)], name
+        caches = {input_name for input_name in inputs if "past_" in input_name}
+        readers = {node.op_type for node in graph.node if caches & set(node.input)}
+        assert readers and not readers & {"Split", "Slice", "Gather", "Concat"}, (name, readers)
+
+    older = tmp_path / "older"
+    older.mkdir()
+    for file in tiny_onnx_model_dir.iterdir():
+        if file.is_file():
+            (older / file.name).write_bytes(file.read_bytes())
+    for path in [older / decoder_path.name, older / mixed_step_path(decoder_path).name, *(older / path.name for path in variant_paths(decoder_path).values())]:
+        model = onnx.load(str(path), load_external_data=False)
+        first_layer = model.graph.input[2].name  # "past_key.0" ("decode_past_key.0" in the mixed step)
+        model.graph.input[2].name = first_layer.removesuffix(".0")
+        for node in model.graph.node:
+            node.input[:] = [first_layer.removesuffix(".0") if name == first_layer else name for name in node.input]
+        onnx.save(model, str(path))
+    with pytest.raises(RuntimeError, match="make export"):
+        DecoderStep(older)
+
+
 def test_model_spec_describes_the_model(tiny_onnx_model_dir, tiny_hf_model_dir):
     spec = ModelSpec.load(tiny_onnx_model_dir)
     config = json.loads((tiny_hf_model_dir / "config.json").read_text())

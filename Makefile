@@ -310,8 +310,11 @@ bench-service: setup  ## [benchmark] the real server (full, kvpop at 88%) vs Fas
 # memory-bound (8 users, a KV pool of 4 full-cache sequences) and short chat; the full cache vs kvpop at 88%
 # vs the classic design (once), 2 interleaved repetitions (~20 min on 2 quiet cores): build/results/service-smollm2/
 REAL_BENCH_ARGS ?=
+# The SmolLM2 benchmarks measure what `make export` writes at this commit: on the default model directory
+# they export first (a second when nothing changed), so a figure never comes from an export older than the code.
+BENCH_EXPORT = $(if $(filter model_repository/kvpop_engine/1,$(REAL_BENCH_MODEL) $(SPEED_MODEL)),export)
 REAL_BENCH_MODEL ?= model_repository/kvpop_engine/1
-bench-service-real: setup model  ## [benchmark] SmolLM2 through the real server: full vs kvpop 88% vs classic, 4 workloads (~20 min): build/results/service-smollm2/
+bench-service-real: setup model $(BENCH_EXPORT)  ## [benchmark] SmolLM2 through the real server: full vs kvpop 88% vs classic, 4 workloads (~20 min): build/results/service-smollm2/
 	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements/constraints.txt -r requirements/bench.txt
 	@test -f $(REAL_BENCH_MODEL)/model_spec.json || { echo "no exported model: run 'make export' first"; exit 1; }
 	$(PY) -m kvpop_eval.bench.real_service --model $(REAL_BENCH_MODEL) --hf-model $(REAL_MODEL) \
@@ -353,13 +356,13 @@ $(ORTGENAI_DIR)/%/genai_config.json: $(ORTGENAI_STAMP) $(REAL_MODEL_STAMP)
 		-c $(ORTGENAI_DIR)/cache >$(ORTGENAI_DIR)/build-$*.log 2>&1 || { tail -20 $(ORTGENAI_DIR)/build-$*.log; exit 1; }
 
 PEERS_ARGS ?=
-bench-peers: setup model $(LLAMACPP_SERVER) $(ORTGENAI_MODELS)  ## [benchmark] SmolLM2: the real server (full, kvpop 88%) vs llama.cpp's server at Q4_1 / F16 / F32 and ONNX Runtime GenAI at fp32 / int4, same prompts and clients, one pass: build/results/peers-smollm2/
+bench-peers: setup model $(BENCH_EXPORT) $(LLAMACPP_SERVER) $(ORTGENAI_MODELS)  ## [benchmark] SmolLM2: the real server (full, kvpop 88%) vs llama.cpp's server at Q4_1 / F16 / F32 and ONNX Runtime GenAI at fp32 / int4, same prompts and clients, one pass: build/results/peers-smollm2/
 	@test -f $(REAL_BENCH_MODEL)/model_spec.json || { echo "no exported model: run 'make export' first"; exit 1; }
 	$(PY) -m kvpop_eval.bench.real_service --model $(REAL_BENCH_MODEL) --hf-model $(REAL_MODEL) \
 		--systems full kvpop llamacpp:Q4_1 llamacpp:F16 llamacpp:F32 ortgenai:fp32 ortgenai:int4 --once --repetitions 1 \
 		--out-dir $(RESULTS_OUT)/peers-smollm2 $(PEERS_ARGS)
 
-bench-step-split: setup  ## [benchmark] a decode step's time split into weights and KV traffic (measured bandwidth; an H100's predicted): build/results/step-split/
+bench-step-split: setup $(BENCH_EXPORT)  ## [benchmark] a decode step's time split into weights and KV traffic (measured bandwidth; an H100's predicted): build/results/step-split/
 	$(PY) -m kvpop_eval.bench.step_split --model $(SPEED_MODEL) --out-dir $(RESULTS_OUT)/step-split
 
 GPU_CHECK_ARGS ?=

@@ -15,3 +15,14 @@ def test_steady_decode_times_full_caches_and_splits_off_the_decoder(tiny_onnx_mo
     engine = json.loads(out.read_text())["engine"]
     assert engine["caches_full"] and engine["streams"] == 2 and engine["budget"] == 16
     assert 0 < engine["decoder_ms_per_step"] <= engine["step_ms_mean"]
+
+
+def test_the_overhead_systems_turn_the_question_pick_off_only_where_asked():
+    from kvpop_eval.bench.engine.overhead import systems
+
+    table = systems(["mlp", "mlstm"], 0.88, query_aware=("mlstm",))
+    assert set(table) == {"full", "kvpop:mlp", "kvpop:mlp per-sequence", "kvpop:mlstm", "kvpop:mlstm per-sequence",
+                          "kvpop:mlstm+noquery"}
+    without_pick, vectorised = table["kvpop:mlstm+noquery"]
+    assert vectorised and without_pick.options.query_window == 0 and without_pick.options.scorer == "mlstm"
+    assert table["kvpop:mlstm"][0].options.query_window != 0

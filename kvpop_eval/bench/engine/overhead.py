@@ -45,7 +45,7 @@ def systems(scorers: list[str], compression: float, budget: int | None = None,
         table[f"kvpop:{kind}"] = (config, True)
         table[f"kvpop:{kind} per-sequence"] = (config, False)
         if kind in query_aware:
-            table[f"kvpop:{kind}+noquery"] = (replace(config, query_window=0), True)
+            table[f"kvpop:{kind}+noquery"] = (replace(config, options=replace(config.options, query_window=0)), True)
     return table
 
 

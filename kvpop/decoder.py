@@ -33,9 +33,9 @@ CACHE_INPUTS = ("past_key", "past_value")
 def step_input_names(num_layers: int, prefix: str = "") -> list[str]:
     """The step graph's inputs, in order. The cache comes one tensor per layer (`past_key.0` ...
     `past_key.{L-1}`, each (B, Hkv, S, D)): a layer that read its slice of one (L, B, Hkv, S, D)
-    input would make onnxruntime copy the whole cache into per-layer tensors on every step (a Split:
-    a third of a full cache's decode step at 4 x 2,048 tokens), while the slices of the host's
-    (L, ...) arrays go in as they are."""
+    input would make onnxruntime copy the whole cache into per-layer tensors on every step (a Split,
+    a large share of a long full cache's decode step), while the slices of the host's (L, ...) arrays
+    go in as they are."""
     names = ["input_ids", "position_ids", *(f"{cache}.{layer}" for cache in CACHE_INPUTS for layer in range(num_layers)),
              "slot_mask"]
     return [prefix + name for name in names]

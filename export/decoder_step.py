@@ -41,9 +41,15 @@ def check_supported(config) -> str:
     return supported[0]
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rotate_half_matrix(head_dim: int) -> torch.Tensor:
+    """R (D, D) with x @ R == cat(-x[..., D/2:], x[..., :D/2]), RoPE's rotate_half, exactly (one +-1
+    per column). Why a product: traced, the halves' slices cost a dozen shape and copy nodes a layer;
+    the product is one small MatMul."""
+    half = head_dim // 2
+    rotation = torch.zeros(head_dim, head_dim)
+    rotation[half:, :half] = -torch.eye(half)
+    rotation[:half, half:] = torch.eye(half)
+    return rotation
 
 
 class SlotCacheDecoderStep(nn.Module):
@@ -65,6 +71,8 @@ class SlotCacheDecoderStep(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.group_size = self.num_attention_heads // self.num_kv_heads
         self.scaling = self.head_dim**-0.5
+        rotation = rotate_half_matrix(self.head_dim).to(causal_lm.lm_head.weight.dtype)
+        self.register_buffer("rotation", rotation, persistent=False)
 
     def forward(
         self,
@@ -95,14 +103,15 @@ class SlotCacheDecoderStep(nn.Module):
             cos, sin = self.decoder.rotary_emb(hidden, position_ids)  # (B, T, D) each
             rotary.append((cos[:, None], sin[:, None]))  # (B, 1, T, D)
 
-        # Additive masks, shared by every layer and head. A new token always sees itself, so no
-        # softmax row is ever fully masked.
+        # Additive masks, shared by every layer and head, and each segment's slot count: computed once
+        # here, not per layer. A new token always sees itself, so no softmax row is ever fully masked.
         minimum = torch.finfo(torch.float32).min
         masks = []
         for (batch, new_tokens), (input_ids, _, _, _, slot_mask) in zip(shapes, segments):
-            past_bias = torch.where(slot_mask, 0.0, minimum)[:, None, None, None, :]  # (B, 1, 1, 1, S)
+            past_bias = torch.where(slot_mask, 0.0, minimum)[:, None, None, :]  # (B, 1, 1, S)
             causal = torch.ones(new_tokens, new_tokens, dtype=torch.bool, device=input_ids.device).tril()
-            masks.append((past_bias, torch.where(causal, 0.0, minimum)))  # chunk bias (T, T)
+            chunk_bias = torch.where(causal, 0.0, minimum).repeat(self.group_size, 1)  # (G * T, T): rows as grouped below
+            masks.append((past_bias, chunk_bias, slot_mask.shape[1]))
 
         flat = torch.cat([hidden.reshape(-1, hidden_size) for hidden in hiddens]) if len(segments) > 1 \
             else hiddens[0].reshape(-1, hidden_size)  # (N, hidden)
@@ -116,11 +125,14 @@ class SlotCacheDecoderStep(nn.Module):
             queries, keys, values = attention.q_proj(normed), attention.k_proj(normed), attention.v_proj(normed)
             contexts = []
             for number, ((batch, new_tokens), segment, (cos, sin), bias) in enumerate(zip(shapes, segments, rotary, masks)):
-                rows = slice(ends[number - 1] if number else 0, ends[number])
+                projected = (queries, keys, values)
+                if len(segments) > 1:  # this segment's rows (one segment: all of them, no Slice traced)
+                    rows = slice(ends[number - 1] if number else 0, ends[number])
+                    projected = tuple(tensor[rows] for tensor in projected)
                 context, key, value, probs_past, probs_new = self._attend(
-                    index, attention, batch, new_tokens, queries[rows], keys[rows], values[rows], segment, cos, sin, bias
+                    index, attention, batch, new_tokens, *projected, segment, cos, sin, bias
                 )
-                contexts.append(context.reshape(-1, context.shape[-1]))  # (B * T, Hq * D)
+                contexts.append(context)  # (B * T, Hq * D)
                 for collected, tensor in zip(outputs[number], (key, value, probs_past, probs_new)):
                     collected.append(tensor)
             context = torch.cat(contexts) if len(contexts) > 1 else contexts[0]  # (N, Hq * D)
@@ -140,35 +152,34 @@ class SlotCacheDecoderStep(nn.Module):
         return results
 
     def _attend(self, index, attention, batch, new_tokens, query, key, value, segment, cos, sin, bias):
-        """One layer's attention for one segment: its new tokens' queries over its cache and each other."""
+        """One layer's attention for one segment: its new tokens' queries over its cache and each other.
+        -> context (B * T, Hq * D), key and value (B, Hkv, T, D), attention (B, Hq, T, S) and (B, Hq, T, T)."""
         _, _, past_key, past_value, _ = segment
-        past_bias, chunk_bias = bias
+        past_bias, chunk_bias, past_slots = bias
+        heads, kv_heads, head_dim = self.num_attention_heads, self.num_kv_heads, self.head_dim
         # Head counts spelt out, never -1: an empty segment (B = 0) leaves nothing to infer it from.
-        query = query.view(batch, new_tokens, self.num_attention_heads, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
-        key = key.view(batch, new_tokens, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        value = value.view(batch, new_tokens, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        query = query.view(batch, new_tokens, heads, head_dim).transpose(1, 2)  # (B, Hq, T, D)
+        key = key.view(batch, new_tokens, kv_heads, head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        value = value.view(batch, new_tokens, kv_heads, head_dim).transpose(1, 2)
         if hasattr(attention, "q_norm"):  # Qwen3 normalises queries and keys per head
             query, key = attention.q_norm(query), attention.k_norm(key)
-        query = query * cos + rotate_half(query) * sin
-        key = key * cos + rotate_half(key) * sin
+        query = query * cos + (query @ self.rotation) * sin
+        key = key * cos + (key @ self.rotation) * sin
 
-        # Group query heads by the KV head they share: (B, Hkv, G, T, D).
-        grouped_query = query.view(batch, self.num_kv_heads, self.group_size, new_tokens, self.head_dim)
-        past_k = past_key[index][:, :, None]  # (B, Hkv, 1, S, D)
-        past_v = past_value[index][:, :, None]
-        scores_past = (grouped_query @ past_k.transpose(-1, -2)).float() * self.scaling + past_bias
-        scores_new = (grouped_query @ key[:, :, None].transpose(-1, -2)).float() * self.scaling + chunk_bias
-        past_slots = scores_past.shape[-1]
-        probs = torch.softmax(torch.cat([scores_past, scores_new], dim=-1), dim=-1)  # (B, Hkv, G, T, S+T)
+        # The G query heads sharing a KV head as G * T rows of it: (B, Hkv, G * T, D), so every product
+        # below is a plain batched MatMul over the cache as it lies (no broadcast copy of it).
+        grouped_query = query.reshape(batch, kv_heads, self.group_size * new_tokens, head_dim)
+        scores_past = (grouped_query @ past_key[index].transpose(-1, -2)).float() * self.scaling + past_bias
+        scores_new = (grouped_query @ key.transpose(-1, -2)).float() * self.scaling + chunk_bias
+        probs = torch.softmax(torch.cat([scores_past, scores_new], dim=-1), dim=-1)  # (B, Hkv, G * T, S + T)
         probs_past, probs_new = probs[..., :past_slots], probs[..., past_slots:]
-        context = probs_past.to(past_v.dtype) @ past_v + probs_new.to(value.dtype) @ value[:, :, None]
-        context = context.reshape(batch, self.num_attention_heads, new_tokens, self.head_dim)
-        context = context.transpose(1, 2).reshape(batch, new_tokens, self.num_attention_heads * self.head_dim)
+        context = probs_past.to(past_value[index].dtype) @ past_value[index] + probs_new.to(value.dtype) @ value
+        context = context.reshape(batch, heads, new_tokens, head_dim).transpose(1, 2)  # (B, T, Hq, D)
         return (
-            context, key, value,
+            context.reshape(batch * new_tokens, heads * head_dim), key, value,
             # -1, not S: ONNX Reshape reads a 0 in the shape as "keep that dimension" (an empty cache would get T)
-            probs_past.reshape(batch, self.num_attention_heads, new_tokens, -1),
-            probs_new.reshape(batch, self.num_attention_heads, new_tokens, new_tokens),
+            probs_past.reshape(batch, heads, new_tokens, -1),
+            probs_new.reshape(batch, heads, new_tokens, new_tokens),
         )
 
 

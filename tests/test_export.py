@@ -78,6 +78,29 @@ def test_every_step_graph_takes_the_cache_one_layer_per_input(tiny_onnx_model_di
         DecoderStep(older)
 
 
+
+def test_a_layer_adds_no_shape_arithmetic_to_the_step(tmp_path):
+    """The step's shapes (batch, new tokens, slots) are read once from its inputs, not per layer: a
+    layer adds its projections, attention and MLP, and no Shape node. (Traced per layer, onnxruntime ran
+    hundreds of tiny shape nodes a step on a 30-layer model, a sizeable share of a CPU decode step.)"""
+    import collections
+
+    import onnx
+    from transformers import AutoModelForCausalLM
+
+    from export.onnx_export import export_decoder_step, export_mixed_step
+    from export.tiny_model import build_tiny_model
+
+    counts = {}
+    for layers in (1, 3):
+        model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / f"hf{layers}", num_layers=layers)).eval()
+        step = export_decoder_step(model, tmp_path / f"onnx{layers}" / "decoder_step.onnx")
+        mixed = export_mixed_step(model, tmp_path / f"onnx{layers}" / "decoder_step.mixed.onnx", weights_of=step)
+        counts[layers] = {path.name: collections.Counter(node.op_type for node in onnx.load(str(path), load_external_data=False).graph.node)
+                          for path in (step, mixed)}
+    for name, fewer in counts[1].items():
+        assert counts[3][name]["Shape"] == fewer["Shape"], name
+
 def test_model_spec_describes_the_model(tiny_onnx_model_dir, tiny_hf_model_dir):
     spec = ModelSpec.load(tiny_onnx_model_dir)
     config = json.loads((tiny_hf_model_dir / "config.json").read_text())

@@ -78,7 +78,6 @@ def test_every_step_graph_takes_the_cache_one_layer_per_input(tiny_onnx_model_di
         DecoderStep(older)
 
 
-
 def test_a_layer_adds_no_shape_arithmetic_to_the_step(tmp_path):
     """The step's shapes (batch, new tokens, slots) are read once from its inputs, not per layer: a
     layer adds its projections, attention and MLP, and no Shape node. (Traced per layer, onnxruntime ran
@@ -100,6 +99,7 @@ def test_a_layer_adds_no_shape_arithmetic_to_the_step(tmp_path):
                           for path in (step, mixed)}
     for name, fewer in counts[1].items():
         assert counts[3][name]["Shape"] == fewer["Shape"], name
+
 
 def test_model_spec_describes_the_model(tiny_onnx_model_dir, tiny_hf_model_dir):
     spec = ModelSpec.load(tiny_onnx_model_dir)

@@ -107,9 +107,9 @@ def infer_requests(draw):
     if prompt == "messages":
         messages = draw(st.one_of(any_json, st.just([{"role": "user", "content": draw(any_text)}])))  # in a string
         inputs.append({"name": "messages", "datatype": "BYTES", "shape": [1, 1], "data": [json.dumps(messages)]})
-    for name in draw(st.sets(st.sampled_from(["max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos",
-                                               "eviction_policy", "kv_budget", "compression_ratio", "stop",
-                                               "session_id", "sampling_parameters"]))):
+    for name in sorted(draw(st.sets(st.sampled_from(["max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos",
+                                                      "eviction_policy", "kv_budget", "compression_ratio", "stop",
+                                                      "session_id", "sampling_parameters"])))):
         inputs.append(draw(tensors(name)))
         if name == "max_tokens" and inputs[-1]["datatype"] == "INT32":  # short generations: at most the default
             inputs[-1]["data"] = [value if not 64 < value <= 2**16 else 4 for value in inputs[-1]["data"]]
@@ -162,7 +162,7 @@ GENERATE_FIELDS = {
 
 @st.composite
 def generate_fields(draw) -> dict:
-    return {name: draw(GENERATE_FIELDS[name]) for name in draw(st.sets(st.sampled_from(sorted(GENERATE_FIELDS)), max_size=6))}
+    return {name: draw(GENERATE_FIELDS[name]) for name in sorted(draw(st.sets(st.sampled_from(sorted(GENERATE_FIELDS)), max_size=6)))}
 
 
 @FUZZ
@@ -205,12 +205,12 @@ OPENAI_FIELDS = {
 def openai_bodies(draw):
     body = {"model": "kvpop_engine"}
     body["messages" if draw(st.booleans()) else "prompt"] = "Let a = 7. What is a?"
-    for name in draw(st.sets(st.sampled_from(sorted(OPENAI_FIELDS)), max_size=5)):
+    for name in sorted(draw(st.sets(st.sampled_from(sorted(OPENAI_FIELDS)), max_size=5))):
         body[name] = draw(OPENAI_FIELDS[name])
     body.update(draw(st.dictionaries(any_text, any_json, max_size=2)))
     if isinstance(body.get("max_tokens"), int) and not isinstance(body["max_tokens"], bool) and 4 < body["max_tokens"] < 2**16:
         body["max_tokens"] = 4  # keep generations short (larger ones that are valid are no different)
-    if "max_tokens" not in body:
+    if body.get("max_tokens") is None:  # absent or null: the service's default length, far longer than 4
         body["max_tokens"] = 4
     return body
 

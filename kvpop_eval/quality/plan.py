@@ -48,7 +48,9 @@ def check_tasks(plan: dict) -> None:
     for tasks in plan["task_files"]:
         digest = hashlib.sha256(Path(tasks["path"]).read_bytes()).hexdigest()
         if digest != tasks["sha256"]:
-            raise ValueError(f"{tasks['path']}: sha256 {digest}, the plan registered {tasks['sha256']}: not the registered tasks")
+            raise ValueError(f"{tasks['path']}: sha256 {digest}, the plan registered {tasks['sha256']}: not the registered tasks "
+                             "(the readme, chat, legal and changelog sources read the installed packages and system files: "
+                             "the registered files come from `make setup` and `make system-deps`; docs/QUALITY.md)")
 
 
 def write_tasks(plan: dict) -> None:

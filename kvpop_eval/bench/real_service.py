@@ -32,7 +32,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -133,12 +132,7 @@ class Systems:
         for server in self._servers:
             server.stop()
         for process in self._processes:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:  # still inside a long generate call
-                process.kill()
-                process.wait()
+            service.stop_server_process(process)
 
 
 def start_peer(system: str, args, slots: int, context: int, scratch: Path, port: int):

@@ -246,6 +246,16 @@ def start_classic(hf_model: Path, max_batch: int, log: Path, dtype: str):
     return process, wait_healthy(process, port, log, "classic server", timeout=120)
 
 
+def stop_server_process(process: subprocess.Popen, grace: float = 30.0) -> None:
+    """Terminate a server process started here; killed if still busy (inside a long generate call) after `grace` s."""
+    process.terminate()
+    try:
+        process.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def wait_healthy(process: subprocess.Popen, port: int, log: Path, name: str, timeout: float) -> str:
     """Wait until the HTTP server `process` started answers 200 on 127.0.0.1:`port`/health -> "host:port".
     RuntimeError (its log's tail) if it exits first or is not healthy within `timeout` s (it is then killed)."""
@@ -469,12 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         for server in servers.values():
             server.stop()
         for process, _ in classics.values():
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:  # still inside a long generate call
-                process.kill()
-                process.wait()
+            stop_server_process(process)
         shutil.rmtree(scratch, ignore_errors=True)  # model repositories hold copies of the weights
 
     report = {
